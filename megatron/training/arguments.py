@@ -1,0 +1,174 @@
+"""Megatron-LM's command-line flags (same names, same meanings) and their parsing.
+
+Checks of how flags fit together live in ``validate_args.py``; plugins add their own flags
+through the registry in ``plugins.py``.
+"""
+
+import argparse
+
+from megatron.training.errors import ArgumentError
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one line (via ``ArgumentError``) instead of usage + exit."""
+
+    def error(self, message):
+        raise ArgumentError(f"{message} (run with --help to list the flags)")
+
+
+def _add_model_args(parser):
+    g = parser.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 * hidden size")
+    g.add_argument("--kv-channels", type=int, default=None, help="default: hidden size / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
+                   default="learned_absolute")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, default=None,
+                   help="default: micro batch size * data-parallel size")
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--exit-interval", type=int, default=None,
+                   help="exit (after saving, when --save is set) at an iteration divisible by this")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialize weights on the CPU, identically for every parallel layout")
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", choices=["constant", "linear", "cosine"],
+                   default="constant")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam")
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+    lr = parser.add_argument_group("learning rate")
+    lr.add_argument("--lr", type=float, required=True)
+    lr.add_argument("--min-lr", type=float, default=0.0)
+    lr.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+                    default="linear")
+    lr.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    lr.add_argument("--lr-warmup-iters", type=int, default=0)
+    lr.add_argument("--lr-warmup-fraction", type=float, default=None)
+    lr.add_argument("--lr-warmup-init", type=float, default=0.0)
+    lr.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    lr.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine"], default="exponential")
+
+    mp = parser.add_argument_group("mixed precision")
+    mp.add_argument("--bf16", action="store_true")
+    mp.add_argument("--fp16", action="store_true")
+    mp.add_argument("--loss-scale", type=float, default=None, help="static loss scale (fp16)")
+    mp.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32)
+    mp.add_argument("--min-loss-scale", type=float, default=1.0)
+    mp.add_argument("--loss-scale-window", type=float, default=1000)
+    mp.add_argument("--hysteresis", type=int, default=2)
+    mp.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+
+
+def _add_parallel_args(parser):
+    g = parser.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="default: cuda when a GPU is visible, else cpu (gloo)")
+    g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
+                   help="default: nccl on cuda, gloo on cpu")
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group("data")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="dataset prefixes, optionally weighted: [w1] prefix1 [w2] prefix2 ...")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions")
+    g.add_argument("--mock-data", action="store_true", help="random tokens instead of --data-path")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--mask-prob", type=float, default=0.15, help="BERT masked-LM probability")
+    g.add_argument("--short-seq-prob", type=float, default=0.1, help="BERT short-sequence probability")
+    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false")
+
+    t = parser.add_argument_group("tokenizer")
+    t.add_argument("--tokenizer-type", default=None,
+                   choices=["GPT2BPETokenizer", "BertWordPieceLowerCase", "BertWordPieceCase",
+                            "HuggingFaceTokenizer", "NullTokenizer"])
+    t.add_argument("--vocab-file", default=None)
+    t.add_argument("--merge-file", default=None)
+    t.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: tokenizer.json or its folder")
+    t.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: vocabulary size")
+
+
+def _add_checkpoint_args(parser):
+    g = parser.add_argument_group("checkpointing")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--finetune", action="store_true",
+                   help="load weights only and restart the iteration count at 0")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="accepted for Megatron-LM compatibility: SIGTERM always saves when --save is set")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group("logging and evaluation")
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--log-throughput", action="store_true",
+                   help="accepted for Megatron-LM compatibility: throughput is always logged")
+
+
+def build_parser(prog, add_plugin_arguments=None, extra_args_provider=None):
+    parser = MegatronArgumentParser(prog=prog, allow_abbrev=False,
+                                    description="Megatron training on megatron-core")
+    for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_data_args,
+                _add_checkpoint_args, _add_logging_args):
+        add(parser)
+    if extra_args_provider is not None:
+        extra_args_provider(parser)
+    if add_plugin_arguments is not None:
+        add_plugin_arguments(parser)
+    return parser
+
+
+def parse_args(argv, prog, add_plugin_arguments=None, extra_args_provider=None):
+    """Parse ``argv`` (a list of strings) with every flag known to the loop and its plugins."""
+    return build_parser(prog, add_plugin_arguments, extra_args_provider).parse_args(argv)

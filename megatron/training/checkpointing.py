@@ -1,0 +1,158 @@
+"""Checkpoints with megatron-core dist_checkpointing in Megatron-LM's layout.
+
+    <save>/latest_checkpointed_iteration.txt      the last complete iteration
+    <save>/iter_0000100/                          one dist_checkpointing directory
+
+Sharded tensors carry their global offsets, so a checkpoint loads at another TP/PP size
+(the optimizer state in the fully reshardable format). A save is atomic: all ranks write into
+``iter_XXXXXXX.inprogress`` which rank 0 renames once every rank is done, then it replaces the
+tracker file. A crash mid-save leaves the previous checkpoint as the latest one.
+"""
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron.training.errors import UserError
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+IN_PROGRESS_SUFFIX = ".inprogress"
+_SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+def checkpoint_dir(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root):
+    """The iteration named by the tracker file, or None when ``root`` has no checkpoint yet."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise UserError(f"--load: {path} should hold an iteration number but holds {text[:40]!r}")
+    return int(text)
+
+
+def _model_key(index, model):
+    return "model" if len(model) == 1 else f"model{index}"
+
+
+def _rng_state_object():
+    """Per (pipeline, tensor) rank RNG streams; data-parallel replicas hold copies."""
+    rng = {
+        "random": random.getstate(),
+        "np_random": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+    pp, tp = parallel_state.get_pipeline_model_parallel_rank(), parallel_state.get_tensor_model_parallel_rank()
+    shape = (parallel_state.get_pipeline_model_parallel_world_size(),
+             parallel_state.get_tensor_model_parallel_world_size())
+    return ShardedObject("rng_state", rng, shape, (pp, tp), replica_id=parallel_state.get_data_parallel_rank())
+
+
+def _restore_rng(rng):
+    random.setstate(rng["random"])
+    np.random.set_state(rng["np_random"])
+    torch.set_rng_state(rng["torch"])
+    if rng["device"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["device"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading):
+    state = {}
+    for index, chunk in enumerate(model):
+        state[_model_key(index, model)] = chunk.sharded_state_dict()
+    if with_optimizer:
+        model_state = {k: v for k, v in state.items() if k.startswith("model")}
+        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+                                                          metadata=_SHARDING_METADATA)
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    if with_rng:
+        state["rng_state"] = _rng_state_object()
+    return state
+
+
+def _layout(args):
+    return {"tensor_model_parallel_size": args.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": args.virtual_pipeline_model_parallel_size}
+
+
+def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train_samples):
+    start = time.time()
+    final_dir = checkpoint_dir(args.save, iteration)
+    work_dir = final_dir + IN_PROGRESS_SUFFIX
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        os.makedirs(work_dir, exist_ok=True)
+    torch.distributed.barrier()
+    state = _sharded_state_dict(args, model, optimizer, scheduler,
+                                with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
+                                is_loading=False)
+    state.update(iteration=iteration, consumed_train_samples=consumed_train_samples,
+                 checkpoint_version=3.0, layout=_layout(args))
+    dist_checkpointing.save(state, work_dir)
+    torch.distributed.barrier()
+    if rank == 0:
+        if os.path.exists(final_dir):
+            # Same iteration saved before (a rerun): keep the old one beside, never delete it.
+            os.rename(final_dir, f"{final_dir}.replaced-{int(time.time())}")
+        os.rename(work_dir, final_dir)
+        tracker = os.path.join(args.save, TRACKER_FILENAME)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker + ".tmp", tracker)
+        print(f"saved checkpoint at iteration {iteration} to {final_dir} "
+              f"({time.time() - start:.1f} s)", flush=True)
+    torch.distributed.barrier()
+
+
+def load_checkpoint(args, model, optimizer, scheduler):
+    """Load ``--load`` into model/optimizer/scheduler; returns (iteration, consumed train samples)."""
+    if args.load is None:
+        return 0, 0
+    iteration = read_tracker(args.load)
+    if iteration is None:
+        if torch.distributed.get_rank() == 0:
+            print(f"no checkpoint in {args.load} ({TRACKER_FILENAME} not found): training from scratch",
+                  flush=True)
+        return 0, 0
+    directory = checkpoint_dir(args.load, iteration)
+    if not os.path.isdir(directory):
+        raise UserError(f"--load: {TRACKER_FILENAME} names iteration {iteration} but {directory} is missing")
+    common = dist_checkpointing.load_common_state_dict(directory)
+    same_layout = common.get("layout") == _layout(args)
+    with_optimizer = not (args.no_load_optim or args.finetune) and "optimizer" in _saved_keys(common, directory)
+    # RNG streams belong to (pipeline, tensor) ranks: meaningless in another layout.
+    with_rng = not (args.no_load_rng or args.finetune) and same_layout and "rng_state" in _saved_keys(common, directory)
+    state = _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading=True)
+    loaded = dist_checkpointing.load(state, directory)
+    for index, chunk in enumerate(model):
+        chunk.load_state_dict(loaded[_model_key(index, model)], strict=True)
+    if with_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if with_rng:
+        _restore_rng(loaded["rng_state"])
+    if torch.distributed.get_rank() == 0:
+        print(f"loaded checkpoint {directory} (saved at layout {common.get('layout')}; "
+              f"optimizer {'loaded' if with_optimizer else 'not loaded'})", flush=True)
+    if args.finetune:
+        return 0, 0
+    return loaded["iteration"], loaded["consumed_train_samples"]
+
+
+def _saved_keys(common, directory):
+    """Top-level keys present in a checkpoint: the common ones plus the sharded ones."""
+    sharded = dist_checkpointing.load_sharded_metadata(directory)
+    return set(common) | {key.split(".")[0] for key in sharded}

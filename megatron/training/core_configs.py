@@ -1,0 +1,81 @@
+"""Translate validated flags into megatron-core's configuration objects."""
+
+import torch.nn.functional as F
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig
+from megatron.core.transformer import TransformerConfig
+
+
+def transformer_config(args, config_class=TransformerConfig):
+    on_cpu = args.device == "cpu"
+    return config_class(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        use_cpu_initialization=args.use_cpu_initialization,
+        params_dtype=args.params_dtype,
+        pipeline_dtype=args.params_dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        # Fusions need apex/TE kernels; megatron-core falls back when absent, but the
+        # bias-activation fusions are TorchScript that only pays off on GPU.
+        bias_activation_fusion=not on_cpu and not args.swiglu,
+        masked_softmax_fusion=not on_cpu,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        deallocate_pipeline_outputs=True,
+        # Pipeline p2p: one batched isend/irecv on NCCL; gloo has no batched p2p.
+        batch_p2p_comm=not on_cpu,
+    )
+
+
+def ddp_config(args):
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        check_for_nan_in_grad=True,
+    )
+
+
+def optimizer_config(args):
+    return OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        overlap_param_gather=args.overlap_param_gather,
+    )

@@ -1,0 +1,106 @@
+"""Train/valid/test datasets through megatron-core's builder, and the loaders that feed them.
+
+Each data-parallel rank reads its own slice of every global batch; tensor- and pipeline-parallel
+peers of one replica read the same samples. Resuming from ``consumed_samples`` continues exactly
+where a checkpoint left off.
+"""
+
+import os
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron.training.errors import UserError
+
+
+def split_sample_counts(args):
+    """Samples needed by training, by every evaluation, and by the final test."""
+    evaluations = args.train_iters // args.eval_interval + 1
+    return [
+        args.train_iters * args.global_batch_size,
+        evaluations * args.eval_iters * args.global_batch_size,
+        args.eval_iters * args.global_batch_size,
+    ]
+
+
+def blend_from_args(args):
+    """megatron-core blend for --data-path; every prefix must have its .bin and .idx."""
+    if args.mock_data:
+        return None
+    blend = get_blend_from_list(args.data_path)
+    for prefix in blend[0]:
+        for suffix in (".bin", ".idx"):
+            if not os.path.isfile(prefix + suffix):
+                raise UserError(f"--data-path: {prefix + suffix} does not exist; give the prefix that "
+                                f"tools/preprocess_data.py wrote (e.g. gpt_text_document)")
+    return blend
+
+
+def build_datasets(args, dataset_class, config):
+    """(train, valid, test) datasets, built on every rank (megatron-core caches the indices)."""
+    return BlendedMegatronDatasetBuilder(
+        dataset_class, split_sample_counts(args), lambda: True, config
+    ).build()
+
+
+class PretrainingSampler:
+    """Micro-batches of sample indices for one data-parallel rank, starting at ``consumed_samples``."""
+
+    def __init__(self, total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size):
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.dp_rank = dp_rank
+        self.step = micro_batch_size * dp_size
+
+    def __len__(self):
+        return (self.total_samples - self.consumed_samples) // self.step
+
+    def __iter__(self):
+        start = self.dp_rank * self.micro_batch_size
+        for first in range(self.consumed_samples, self.total_samples - self.step + 1, self.step):
+            yield list(range(first + start, first + start + self.micro_batch_size))
+
+
+def _loader(args, dataset, consumed_samples):
+    if dataset is None:
+        return None
+    sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
+                                 parallel_state.get_data_parallel_rank(),
+                                 parallel_state.get_data_parallel_world_size())
+    return torch.utils.data.DataLoader(
+        dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        pin_memory=args.device == "cuda", persistent_workers=args.num_workers > 0,
+    )
+
+
+def _cycle(loader):
+    """Evaluation reads its split again and again; training reads its split once."""
+    while True:
+        yield from loader
+
+
+def build_data_iterators(args, datasets, consumed_train_samples):
+    train, valid, test = datasets
+    train_loader = _loader(args, train, consumed_train_samples)
+    valid_loader, test_loader = _loader(args, valid, 0), _loader(args, test, 0)
+    return (
+        iter(train_loader) if train_loader is not None else None,
+        _cycle(valid_loader) if valid_loader is not None else None,
+        _cycle(test_loader) if test_loader is not None else None,
+    )
+
+
+def next_batch(args, data_iterator, model):
+    """This chunk's next microbatch on the training device, or None on a chunk that reads no data
+    (neither first nor last pipeline stage: its input arrives from the previous stage)."""
+    chunk = get_attr_wrapped_model(model, "pre_process"), get_attr_wrapped_model(model, "post_process")
+    if not any(chunk):
+        return None
+    batch = next(data_iterator)
+    if args.device == "cuda":
+        batch = {key: value.cuda(non_blocking=True) for key, value in batch.items()}
+    return batch

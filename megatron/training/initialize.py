@@ -1,0 +1,62 @@
+"""Start the process group, the model-parallel groups and the random seeds."""
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+
+from megatron.training.cpu_compat import install_cpu_compat
+
+
+def _init_process_group(args):
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        install_cpu_compat()
+    if not torch.distributed.is_initialized():
+        # A plain `python pretrain_gpt.py` is a one-process job, as under torchrun.
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        torch.distributed.init_process_group(
+            backend=args.distributed_backend,
+            world_size=args.world_size,
+            rank=int(os.environ.get("RANK", "0")),
+            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        )
+    args.rank = torch.distributed.get_rank()
+
+
+def set_random_seed(seed):
+    """Same seeds as Megatron-LM: each pipeline stage its own, tensor-parallel regions forked."""
+    seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize_megatron(args):
+    _init_process_group(args)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+    )
+    init_num_microbatches_calculator(
+        rank=args.rank,
+        rampup_batch_size=None,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+        data_parallel_size=args.data_parallel_size,
+    )
+    set_random_seed(args.seed)
+
+
+def shutdown():
+    if torch.distributed.is_initialized():
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()

@@ -1,0 +1,81 @@
+"""Build the model chunks of this rank, wrap them in megatron-core DDP, and build the optimizer."""
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
+
+from megatron.training.core_configs import ddp_config, optimizer_config
+from megatron.training.layout_invariant_init import reinitialize_layout_invariant
+
+
+def _build_chunks(args, model_provider):
+    """One model chunk per virtual pipeline stage (a single chunk without virtual pipelining)."""
+    vp_size = args.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp_stage in range(vp_size or 1):
+        stage = None if vp_size is None else vp_stage
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage)
+        chunks.append(model_provider(pre_process=pre, post_process=post, vp_stage=stage))
+    return chunks
+
+
+def build_model(args, model_provider):
+    """Model chunks of this rank, on the training device, wrapped in megatron-core DDP."""
+    chunks = _build_chunks(args, model_provider)
+    config = get_model_config(chunks[0])
+    if args.use_cpu_initialization:
+        reinitialize_layout_invariant(chunks, config, args.seed)
+    if args.device == "cuda":
+        for chunk in chunks:
+            chunk.cuda(torch.cuda.current_device())
+    args.num_parameters_on_rank = sum(p.numel() for c in chunks for p in c.parameters())
+    return [
+        DistributedDataParallel(config, ddp_config(args), chunk, disable_bucketing=index > 0)
+        for index, chunk in enumerate(chunks)
+    ]
+
+
+def build_scheduler(args, optimizer):
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters,
+        lr_decay_steps=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay,
+        wd_incr_steps=args.train_iters,
+        wd_incr_style=args.weight_decay_incr_style,
+        wsd_decay_steps=args.lr_wsd_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+    )
+
+
+def connect_schedule_hooks(args, model, optimizer):
+    """Tell megatron-core's pipeline schedules how to sync grads and scale the loss (as Megatron-LM)."""
+    config = get_model_config(model[0])
+    config.grad_scale_func = optimizer.scale_loss
+    config.finalize_model_grads_func = finalize_model_grads
+    if args.overlap_grad_reduce:
+        no_sync = [chunk.no_sync for chunk in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        grad_sync = [chunk.start_grad_sync for chunk in model]
+        config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    if args.overlap_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
+    return config
+
+
+def setup_model_and_optimizer(args, model_provider):
+    model = build_model(args, model_provider)
+    optimizer = get_megatron_optimizer(optimizer_config(args), model)
+    scheduler = build_scheduler(args, optimizer)
+    config = connect_schedule_hooks(args, model, optimizer)
+    return model, optimizer, scheduler, config

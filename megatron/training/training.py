@@ -1,0 +1,174 @@
+"""The training loop: set up, iterate, evaluate, checkpoint, and call the plugins' hooks.
+
+An entry point (``pretrain_gpt.py``) supplies what is model-specific: how to build a model
+chunk, the datasets, and the forward step. Everything a plugin may change goes through the
+hooks of ``plugins.PluginRegistry``; this file knows no plugin.
+"""
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron.training.arguments import parse_args
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.data import build_data_iterators
+from megatron.training.flops import training_flops_per_iteration
+from megatron.training.initialize import initialize_megatron, shutdown
+from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.plugins import PluginRegistry
+from megatron.training.signal_handler import SigtermAgreement
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.training_log import TrainingLog, log_evaluation, print_rank_0
+from megatron.training.validate_args import validate_args
+
+
+@dataclass
+class TrainingState:
+    """What the loop carries from one iteration to the next (and what a checkpoint restores)."""
+
+    iteration: int = 0
+    last_saved_iteration: int = -1
+    history: list = field(default_factory=list)
+
+
+def reduce_reported_losses(per_microbatch):
+    """Average each reported loss over microbatches and data-parallel replicas.
+
+    A forward step reports ``{name: tensor([sum, count])}`` per microbatch; only the last
+    pipeline stage has them. One all-reduce per iteration, no host sync.
+    """
+    if not per_microbatch:
+        return {}
+    reduced = {}
+    for name in per_microbatch[0]:
+        total = torch.stack([m[name].float().view(-1) for m in per_microbatch]).sum(dim=0)
+        torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+        reduced[name] = total[0] / total[1].clamp(min=1)
+    return reduced
+
+
+class Trainer:
+    def __init__(self, args, registry, model, optimizer, scheduler, forward_step_func):
+        self.args = args
+        self.registry = registry
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.forward_step_func = forward_step_func
+        self.forward_backward = registry.forward_backward_func(args, get_forward_backward_func())
+
+    def _run_schedule(self, data_iterator, forward_only):
+        return self.forward_backward(
+            forward_step_func=self.forward_step_func,
+            data_iterator=data_iterator,
+            model=self.model,
+            num_microbatches=get_num_microbatches(),
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            decoder_seq_length=self.args.seq_length,
+            forward_only=forward_only,
+        )
+
+    def train_step(self, data_iterator):
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        per_microbatch = self._run_schedule(data_iterator, forward_only=False)
+        succeeded, grad_norm, _ = self.optimizer.step()
+        if succeeded:
+            self.scheduler.step(increment=1)
+        return reduce_reported_losses(per_microbatch), grad_norm, not succeeded
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator, iterations):
+        for chunk in self.model:
+            chunk.eval()
+        sums = {}
+        for _ in range(iterations):
+            for name, value in reduce_reported_losses(self._run_schedule(data_iterator, forward_only=True)).items():
+                sums[name] = sums.get(name, 0.0) + value
+        for chunk in self.model:
+            chunk.train()
+        return {name: float(total) / iterations for name, total in sums.items()}
+
+    def save(self, state):
+        save_checkpoint(self.args, state.iteration, self.model, self.optimizer, self.scheduler,
+                        state.iteration * self.args.global_batch_size)
+        state.last_saved_iteration = state.iteration
+
+    def train(self, state, train_iterator, valid_iterator, flops_per_iteration):
+        args = self.args
+        log = TrainingLog(args, flops_per_iteration)
+        sigterm = SigtermAgreement()
+        try:
+            while state.iteration < args.train_iters:
+                self.registry.call("on_iteration_begin", args, state.iteration + 1)
+                losses, grad_norm, skipped = self.train_step(train_iterator)
+                state.iteration += 1
+                self.registry.call("on_iteration_end", args, state.iteration,
+                                   {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
+                log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
+                    self.optimizer.param_groups[0]))
+                if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
+                    log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters))
+                if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+                    self.save(state)
+                if sigterm.any_rank_received():
+                    print_rank_0(f"SIGTERM received: stopping at iteration {state.iteration}")
+                    break
+                if args.exit_interval and state.iteration % args.exit_interval == 0:
+                    print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
+                    break
+        finally:
+            sigterm.restore()
+        if args.save and state.last_saved_iteration != state.iteration:
+            self.save(state)
+        state.history = log.history
+
+
+def _build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samples):
+    """Per model chunk: each chunk that reads data consumes its own stream of microbatches."""
+    datasets = dataset_provider(args, tokenizer)
+    per_chunk = [build_data_iterators(args, datasets, consumed_samples) for _ in range(num_chunks)]
+    train, valid, test = ([chunk[i] for chunk in per_chunk] for i in range(3))
+    unwrap = (lambda its: its[0]) if num_chunks == 1 else (lambda its: its)
+    return tuple(None if its[0] is None else unwrap(its) for its in (train, valid, test))
+
+
+def pretrain(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None):
+    """Run a whole training job from command-line flags; returns the logged loss history."""
+    registry = PluginRegistry.discover()
+    args = parse_args(argv, prog, registry.add_arguments, extra_args_provider)
+    validate_args(args)
+    registry.validate_args(args)
+    start = time.time()
+    initialize_megatron(args)
+    try:
+        tokenizer = build_tokenizer(args)  # also sets args.padded_vocab_size
+        model, optimizer, scheduler, _ = setup_model_and_optimizer(args, functools.partial(model_provider, args))
+        state = TrainingState()
+        state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)
+        print_rank_0(f"setup done in {time.time() - start:.1f} s: {args.world_size} ranks = "
+                     f"TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size} x "
+                     f"DP{args.data_parallel_size} on {args.device}, "
+                     f"{args.num_parameters_on_rank / 1e6:.2f} M parameters on rank 0, "
+                     f"starting at iteration {state.iteration}")
+        registry.call("after_setup", args, model, optimizer, scheduler)
+        train_iterator, valid_iterator, test_iterator = _build_iterators(
+            args, dataset_provider, tokenizer, len(model), consumed_samples)
+        trainer = Trainer(args, registry, model, optimizer, scheduler,
+                          functools.partial(forward_step_func, args))
+        trainer.train(state, train_iterator, valid_iterator,
+                      training_flops_per_iteration(args, args.padded_vocab_size))
+        finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval
+        if finished and test_iterator is not None and args.eval_iters > 0:
+            log_evaluation("test", state.iteration, trainer.evaluate(test_iterator, args.eval_iters))
+        registry.call("on_train_end", args, state.iteration)
+        return state.history
+    finally:
+        shutdown()

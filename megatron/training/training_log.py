@@ -1,0 +1,89 @@
+"""Progress lines of training and evaluation, in Megatron-LM's format, printed by the last rank.
+
+The last rank holds the loss (last pipeline stage). Losses stay on the device between log lines:
+one ``.item()`` per log interval, not per iteration.
+"""
+
+import math
+import resource
+import time
+
+import torch
+
+
+def is_logging_rank():
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+def print_rank_0(message):
+    if torch.distributed.get_rank() == 0:
+        print(message, flush=True)
+
+
+def print_last_rank(message):
+    if is_logging_rank():
+        print(message, flush=True)
+
+
+def peak_memory_text(device):
+    if device == "cuda":
+        return f"peak memory (MB): {torch.cuda.max_memory_allocated() / 2**20:.0f}"
+    return f"peak host RSS (MB): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
+
+
+class TrainingLog:
+    """Accumulates per-iteration results and prints one line every ``--log-interval``."""
+
+    def __init__(self, args, flops_per_iteration):
+        self.args = args
+        self.flops_per_iteration = flops_per_iteration
+        self.window_start = time.time()
+        self.window_iterations = 0
+        self.skipped = 0
+        self.loss_sums = {}
+        self.grad_norm = None
+        self.learning_rate = 0.0
+        self.history = []  # (iteration, {loss name: value}) for every logged window
+
+    def record(self, iteration, losses, grad_norm, skipped, learning_rate):
+        """``losses`` may be device tensors: they are summed there and read once per line."""
+        self.window_iterations += 1
+        self.learning_rate = learning_rate
+        self.skipped += int(bool(skipped))
+        for name, value in losses.items():
+            self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
+        self.grad_norm = grad_norm
+        if iteration % self.args.log_interval == 0 or iteration == self.args.train_iters:
+            self._emit(iteration)
+
+    def _emit(self, iteration):
+        args = self.args
+        elapsed = time.time() - self.window_start
+        per_iteration = elapsed / max(self.window_iterations, 1)
+        tokens_per_s = args.global_batch_size * args.seq_length / per_iteration
+        tflops_per_gpu = self.flops_per_iteration / per_iteration / args.world_size / 1e12
+        averages = {name: float(total) / self.window_iterations for name, total in self.loss_sums.items()}
+        parts = [
+            f"iteration {iteration:8d}/{args.train_iters:8d}",
+            f"consumed samples: {iteration * args.global_batch_size:12d}",
+            f"elapsed time per iteration (ms): {per_iteration * 1000:.1f}",
+            f"throughput per GPU (TFLOP/s/GPU): {tflops_per_gpu:.3f}",
+            f"tokens per second: {tokens_per_s:.0f}",
+            f"learning rate: {self.learning_rate:.6E}",
+            f"global batch size: {args.global_batch_size:5d}",
+        ]
+        parts += [f"{name}: {value:.6E}" for name, value in averages.items()]
+        if self.grad_norm is not None:
+            parts.append(f"grad norm: {self.grad_norm:.3f}")
+        parts += [f"number of skipped iterations: {self.skipped:3d}", peak_memory_text(args.device)]
+        print_last_rank(" " + " | ".join(parts))
+        self.history.append((iteration, averages))
+        self.window_start, self.window_iterations, self.skipped, self.loss_sums = time.time(), 0, 0, {}
+
+
+def log_evaluation(label, iteration, losses):
+    parts = [f"{label} loss at iteration {iteration}"]
+    for name, value in losses.items():
+        parts.append(f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E}")
+    line = " | ".join(parts)
+    print_last_rank("-" * (len(line) + 1) + "\n " + line + "\n" + "-" * (len(line) + 1))

@@ -1,0 +1,157 @@
+"""Every check of how flags fit together, and the values derived from them, in one place.
+
+Runs before ``torch.distributed`` starts, so a wrong layout fails in a second with one line.
+"""
+
+import os
+
+import torch
+
+from megatron.training.errors import ArgumentError
+
+
+def _require(condition, message):
+    if not condition:
+        raise ArgumentError(message)
+
+
+def _validate_layout(args, world_size):
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _require(tp >= 1 and pp >= 1, "--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    _require(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+             f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
+    args.data_parallel_size = world_size // (tp * pp)
+    _require(args.num_layers % pp == 0,
+             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
+        per_stage = args.num_layers // pp
+        chunk = args.num_layers_per_virtual_pipeline_stage
+        _require(chunk >= 1 and per_stage % chunk == 0,
+                 f"--num-layers-per-virtual-pipeline-stage {chunk} must divide the "
+                 f"{per_stage} layers of each pipeline stage")
+        args.virtual_pipeline_model_parallel_size = per_stage // chunk
+    _require(args.num_attention_heads % tp == 0,
+             f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+             f"--tensor-model-parallel-size {tp}")
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to split with one TP rank
+
+
+def _validate_batch(args):
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    _require(mbs >= 1, "--micro-batch-size must be >= 1")
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    _require(args.global_batch_size % (mbs * dp) == 0,
+             f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size {mbs} x "
+             f"data-parallel size {dp}")
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    if args.virtual_pipeline_model_parallel_size is not None:
+        pp = args.pipeline_model_parallel_size
+        _require(args.num_microbatches % pp == 0,
+                 f"the interleaved pipeline needs the number of microbatches ({args.num_microbatches}) "
+                 f"to be a multiple of --pipeline-model-parallel-size {pp}")
+
+
+def _validate_model(args):
+    _require(args.hidden_size % args.num_attention_heads == 0 or args.kv_channels is not None,
+             f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+             f"{args.num_attention_heads}; set --kv-channels")
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    if args.kv_channels is None:
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    _require(args.num_query_groups % args.tensor_model_parallel_size == 0,
+             "--num-query-groups must be divisible by --tensor-model-parallel-size")
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = args.seq_length
+    _require(args.position_embedding_type != "learned_absolute" or args.seq_length <= args.max_position_embeddings,
+             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {args.max_position_embeddings}")
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None,
+                 "--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None:
+            args.recompute_num_layers = 1
+    if args.recompute_method is not None:
+        _require(args.recompute_granularity == "full", "--recompute-method needs --recompute-granularity full")
+
+
+def _validate_precision_and_device(args):
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive; pick one")
+    args.params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    if args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True  # as Megatron-LM: bf16 gradients lose too much
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    _require(args.device == "cpu" or torch.cuda.is_available(),
+             "--device cuda was asked for but no GPU is visible; use --device cpu")
+    if args.distributed_backend is None:
+        args.distributed_backend = "nccl" if args.device == "cuda" else "gloo"
+    _require(not (args.device == "cpu" and args.distributed_backend == "nccl"),
+             "--distributed-backend nccl needs --device cuda; use gloo on CPU")
+    _require(not (args.device == "cpu" and args.fp16),
+             "--fp16 is not supported with --device cpu (no loss-scaling kernels); use --bf16 or fp32")
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            raise ArgumentError("--transformer-impl transformer_engine needs the transformer-engine package "
+                                "(pip install 'megatronapp[te]'); or use --transformer-impl local") from None
+        _require(args.device == "cuda", "--transformer-impl transformer_engine needs --device cuda")
+    if args.overlap_param_gather:
+        _require(args.use_distributed_optimizer, "--overlap-param-gather needs --use-distributed-optimizer")
+
+
+def _validate_schedule(args):
+    _require(args.train_iters >= 1, "--train-iters must be >= 1")
+    _require(args.lr >= args.min_lr >= 0, "--lr must be >= --min-lr >= 0")
+    _require(args.log_interval >= 1, "--log-interval must be >= 1")
+    _require(args.eval_interval >= 1 and args.eval_iters >= 0, "--eval-interval must be >= 1, --eval-iters >= 0")
+    if args.lr_decay_iters is None:
+        args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(args.lr_warmup_iters == 0, "use either --lr-warmup-iters or --lr-warmup-fraction, not both")
+        _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.lr_decay_style == "WSD":
+        _require(args.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.save_interval is not None:
+        _require(args.save_interval >= 1, "--save-interval must be >= 1")
+        _require(args.save is not None, "--save-interval needs --save <directory>")
+
+
+def _validate_data(args):
+    if args.mock_data:
+        _require(not args.data_path, "--mock-data and --data-path are mutually exclusive")
+    else:
+        _require(bool(args.data_path), "give --data-path <prefix> (a preprocessed dataset) or --mock-data")
+    split = args.split.replace("/", ",").split(",")
+    _require(all(part.strip().replace(".", "", 1).isdigit() for part in split) and 1 <= len(split) <= 3,
+             f"--split {args.split!r} must be up to three numbers like 969,30,1")
+    if args.tokenizer_type is None and args.mock_data:
+        _require(args.vocab_size is not None, "--mock-data needs --tokenizer-type or --vocab-size")
+        args.tokenizer_type = "NullTokenizer"
+    _require(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")
+
+
+def validate_args(args, world_size=None):
+    """Check ``args`` for a launch of ``world_size`` processes and fill in derived values."""
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size
+    _validate_layout(args, world_size)
+    _validate_batch(args)
+    _validate_model(args)
+    _validate_precision_and_device(args)
+    _validate_schedule(args)
+    _validate_data(args)
+    return args

@@ -1,0 +1,80 @@
+"""Pretrain a GPT model: torchrun --nproc_per_node N pretrain_gpt.py <Megatron-LM flags>."""
+
+import functools
+import sys
+
+import torch
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+
+from megatron.training.core_configs import transformer_config
+from megatron.training.data import blend_from_args, build_datasets, next_batch
+from megatron.training.errors import exit_on_user_error
+from megatron.training.training import pretrain
+
+
+def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
+    if args.transformer_impl == "transformer_engine":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = get_gpt_layer_local_spec(normalization=args.normalization)
+    return GPTModel(
+        config=transformer_config(args),
+        transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        vp_stage=vp_stage,
+    )
+
+
+def dataset_provider(args, tokenizer):
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend_from_args(args),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,  # causal masking happens inside attention
+    )
+    return build_datasets(args, MockGPTDataset if args.mock_data else GPTDataset, config)
+
+
+def loss_func(loss_mask, output_tensor):
+    """Mean loss over unmasked tokens; reports (sum, count) so replicas average exactly."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(losses * mask)
+    tokens = mask.sum()
+    return loss_sum / tokens.clamp(min=1), {"lm loss": torch.stack([loss_sum.detach(), tokens])}
+
+
+def forward_step(args, data_iterator, model):
+    batch = next_batch(args, data_iterator, model)
+    if batch is None:  # a middle pipeline stage
+        return model(None, None, None), None
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"])
+
+
+@exit_on_user_error
+def main(argv=None):
+    pretrain(sys.argv[1:] if argv is None else argv, prog="pretrain_gpt.py",
+             model_provider=model_provider, dataset_provider=dataset_provider,
+             forward_step_func=forward_step)
+
+
+if __name__ == "__main__":
+    main()
