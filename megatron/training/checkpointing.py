@@ -71,7 +71,7 @@ def _restore_rng(rng):
 def _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading):
     state = {}
     for index, chunk in enumerate(model):
-        state[_model_key(index, model)] = chunk.sharded_state_dict()
+        state[_model_key(index, model)] = chunk.module.sharded_state_dict()  # keys without DDP's "module."
     if with_optimizer:
         model_state = {k: v for k, v in state.items() if k.startswith("model")}
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
@@ -100,7 +100,8 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
                                 with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
                                 is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_train_samples,
-                 checkpoint_version=3.0, layout=_layout(args))
+                 checkpoint_version=3.0, layout=_layout(args),
+                 contents={"optimizer": not args.no_save_optim, "rng": not args.no_save_rng})
     dist_checkpointing.save(state, work_dir)
     torch.distributed.barrier()
     if rank == 0:
@@ -132,13 +133,17 @@ def load_checkpoint(args, model, optimizer, scheduler):
         raise UserError(f"--load: {TRACKER_FILENAME} names iteration {iteration} but {directory} is missing")
     common = dist_checkpointing.load_common_state_dict(directory)
     same_layout = common.get("layout") == _layout(args)
-    with_optimizer = not (args.no_load_optim or args.finetune) and "optimizer" in _saved_keys(common, directory)
+    if "contents" not in common:
+        raise UserError(f"--load: {directory} was not written by MegatronApp's pretrain scripts "
+                        f"(no 'contents' entry in its common.pt); convert it or train from scratch")
+    contents = common["contents"]
+    with_optimizer = contents["optimizer"] and not (args.no_load_optim or args.finetune)
     # RNG streams belong to (pipeline, tensor) ranks: meaningless in another layout.
-    with_rng = not (args.no_load_rng or args.finetune) and same_layout and "rng_state" in _saved_keys(common, directory)
+    with_rng = contents["rng"] and same_layout and not (args.no_load_rng or args.finetune)
     state = _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading=True)
     loaded = dist_checkpointing.load(state, directory)
     for index, chunk in enumerate(model):
-        chunk.load_state_dict(loaded[_model_key(index, model)], strict=True)
+        chunk.module.load_state_dict(loaded[_model_key(index, model)], strict=True)
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         scheduler.load_state_dict(loaded["opt_param_scheduler"])
@@ -151,8 +156,3 @@ def load_checkpoint(args, model, optimizer, scheduler):
         return 0, 0
     return loaded["iteration"], loaded["consumed_train_samples"]
 
-
-def _saved_keys(common, directory):
-    """Top-level keys present in a checkpoint: the common ones plus the sharded ones."""
-    sharded = dist_checkpointing.load_sharded_metadata(directory)
-    return set(common) | {key.split(".")[0] for key in sharded}

@@ -94,11 +94,12 @@ def build_data_iterators(args, datasets, consumed_train_samples):
     )
 
 
-def next_batch(args, data_iterator, model):
-    """This chunk's next microbatch on the training device, or None on a chunk that reads no data
-    (neither first nor last pipeline stage: its input arrives from the previous stage)."""
+def next_batch(args, data_iterator, model, every_stage=False):
+    """This chunk's next microbatch on the training device, or None on a chunk that reads no data:
+    neither first nor last pipeline stage, unless ``every_stage`` (BERT's attention needs the
+    padding mask on every stage)."""
     chunk = get_attr_wrapped_model(model, "pre_process"), get_attr_wrapped_model(model, "post_process")
-    if not any(chunk):
+    if not (every_stage or any(chunk)):
         return None
     batch = next(data_iterator)
     if args.device == "cuda":

@@ -1,0 +1,100 @@
+"""Pretrain a BERT model: torchrun --nproc_per_node N pretrain_bert.py <Megatron-LM flags>.
+
+Data: tools/preprocess_data.py with --split-sentences and a WordPiece vocabulary, so that each
+document holds its sentences (the sentence-order objective needs them).
+"""
+
+import functools
+import sys
+
+import torch
+import torch.nn.functional as F
+from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
+from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
+from megatron.core.models.bert.bert_model import BertModel
+
+from megatron.training.core_configs import transformer_config
+from megatron.training.data import blend_from_args, build_datasets, next_batch
+from megatron.training.errors import ArgumentError, exit_on_user_error
+from megatron.training.training import pretrain
+
+
+def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
+    if args.transformer_impl == "transformer_engine":
+        from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
+
+        layer_spec = get_bert_layer_with_transformer_engine_spec()
+    else:
+        layer_spec = bert_layer_local_spec
+    return BertModel(
+        config=transformer_config(args),
+        num_tokentypes=2 if args.bert_binary_head else 0,
+        transformer_layer_spec=layer_spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        add_binary_head=args.bert_binary_head,
+        vp_stage=vp_stage,
+    )
+
+
+def dataset_provider(args, tokenizer):
+    if args.mock_data:
+        raise ArgumentError("pretrain_bert.py needs --data-path (a sentence-split WordPiece dataset); "
+                            "--mock-data is GPT-only")
+    config = BERTMaskedWordPieceDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend_from_args(args),
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        masking_probability=args.mask_prob,
+        short_sequence_probability=args.short_seq_prob,
+        masking_max_ngram=3,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=False,
+        classification_head=args.bert_binary_head,
+    )
+    return build_datasets(args, BERTMaskedWordPieceDataset, config)
+
+
+def _sum_and_count(values, mask):
+    return torch.stack([torch.sum(values * mask).detach(), mask.sum()])
+
+
+def loss_func(loss_mask, sentence_order, output):
+    """Masked-LM loss over masked tokens, plus the sentence-order loss with a binary head."""
+    lm_losses, sop_logits = output
+    mask = loss_mask.float().view(-1)
+    lm_losses = lm_losses.float().view(-1)
+    lm_loss = torch.sum(lm_losses * mask) / mask.sum().clamp(min=1)
+    reported = {"lm loss": _sum_and_count(lm_losses, mask)}
+    if sop_logits is None:
+        return lm_loss, reported
+    sop_losses = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1), reduction="none")
+    reported["sop loss"] = _sum_and_count(sop_losses, torch.ones_like(sop_losses))
+    return lm_loss + sop_losses.mean(), reported
+
+
+def forward_step(args, data_iterator, model):
+    batch = next_batch(args, data_iterator, model, every_stage=True)
+    types = batch["types"] if args.bert_binary_head else None
+    output = model(batch["text"], batch["padding_mask"], tokentype_ids=types, lm_labels=batch["labels"])
+    return output, functools.partial(loss_func, batch["loss_mask"], batch["is_random"])
+
+
+@exit_on_user_error
+def main(argv=None):
+    pretrain(sys.argv[1:] if argv is None else argv, prog="pretrain_bert.py",
+             model_provider=model_provider, dataset_provider=dataset_provider,
+             forward_step_func=forward_step)
+
+
+if __name__ == "__main__":
+    main()
