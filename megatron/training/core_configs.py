@@ -1,5 +1,7 @@
 """Translate validated flags into megatron-core's configuration objects."""
 
+import importlib.util
+
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
@@ -35,10 +37,10 @@ def transformer_config(args, config_class=TransformerConfig):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        # Fusions need apex/TE kernels; megatron-core falls back when absent, but the
-        # bias-activation fusions are TorchScript that only pays off on GPU.
+        # The bias-activation fusions are TorchScript that only pays off on GPU; the masked
+        # softmax fusion needs apex's kernel, which megatron-core imports without a fallback.
         bias_activation_fusion=not on_cpu and not args.swiglu,
-        masked_softmax_fusion=not on_cpu,
+        masked_softmax_fusion=not on_cpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=True,

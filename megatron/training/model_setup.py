@@ -5,6 +5,7 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
 from megatron.training.core_configs import ddp_config, optimizer_config
@@ -33,6 +34,9 @@ def build_model(args, model_provider):
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
     args.num_parameters_on_rank = sum(p.numel() for c in chunks for p in c.parameters())
+    if args.fp16 or args.bf16:
+        # Casts the weights and the inputs/outputs at the chunk's boundary, as in Megatron-LM.
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     return [
         DistributedDataParallel(config, ddp_config(args), chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)

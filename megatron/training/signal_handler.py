@@ -13,7 +13,7 @@ class SigtermAgreement:
     def __init__(self):
         self.received = False
         self._group = torch.distributed.new_group(backend="gloo")
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
         self.received = True
@@ -22,6 +22,3 @@ class SigtermAgreement:
         flag = torch.tensor([int(self.received)], dtype=torch.int32)
         torch.distributed.all_reduce(flag, group=self._group)
         return bool(flag.item())
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)

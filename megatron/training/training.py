@@ -61,6 +61,8 @@ class Trainer:
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
         self.forward_backward = registry.forward_backward_func(args, get_forward_backward_func())
+        self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
+        self.sigterm = SigtermAgreement()
 
     def _run_schedule(self, data_iterator, forward_only):
         return self.forward_backward(
@@ -101,31 +103,28 @@ class Trainer:
                         state.iteration * self.args.global_batch_size)
         state.last_saved_iteration = state.iteration
 
-    def train(self, state, train_iterator, valid_iterator, flops_per_iteration):
+    def train(self, state, train_iterator, valid_iterator):
+        """Iterate until --train-iters, SIGTERM or --exit-interval; save at the end when --save."""
         args = self.args
-        log = TrainingLog(args, flops_per_iteration)
-        sigterm = SigtermAgreement()
-        try:
-            while state.iteration < args.train_iters:
-                self.registry.call("on_iteration_begin", args, state.iteration + 1)
-                losses, grad_norm, skipped = self.train_step(train_iterator)
-                state.iteration += 1
-                self.registry.call("on_iteration_end", args, state.iteration,
-                                   {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
-                log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
-                    self.optimizer.param_groups[0]))
-                if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
-                    log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters))
-                if args.save and args.save_interval and state.iteration % args.save_interval == 0:
-                    self.save(state)
-                if sigterm.any_rank_received():
-                    print_rank_0(f"SIGTERM received: stopping at iteration {state.iteration}")
-                    break
-                if args.exit_interval and state.iteration % args.exit_interval == 0:
-                    print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
-                    break
-        finally:
-            sigterm.restore()
+        log = TrainingLog(args, self.flops_per_iteration)
+        while state.iteration < args.train_iters:
+            self.registry.call("on_iteration_begin", args, state.iteration + 1)
+            losses, grad_norm, skipped = self.train_step(train_iterator)
+            state.iteration += 1
+            self.registry.call("on_iteration_end", args, state.iteration,
+                               {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
+            log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
+                self.optimizer.param_groups[0]))
+            if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
+                log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters))
+            if args.save and args.save_interval and state.iteration % args.save_interval == 0:
+                self.save(state)
+            if self.sigterm.any_rank_received():
+                print_rank_0(f"SIGTERM received: stopping at iteration {state.iteration}")
+                break
+            if args.exit_interval and state.iteration % args.exit_interval == 0:
+                print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
+                break
         if args.save and state.last_saved_iteration != state.iteration:
             self.save(state)
         state.history = log.history
@@ -140,35 +139,53 @@ def _build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_sam
     return tuple(None if its[0] is None else unwrap(its) for its in (train, valid, test))
 
 
-def pretrain(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None):
-    """Run a whole training job from command-line flags; returns the logged loss history."""
+@dataclass
+class Job:
+    """Everything a training run is made of, once set up."""
+
+    args: object
+    trainer: Trainer
+    state: TrainingState
+    train_iterator: object
+    valid_iterator: object
+    test_iterator: object
+
+
+def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None):
+    """Parse and check flags, start the process groups, build model, optimizer and data, load --load."""
     registry = PluginRegistry.discover()
     args = parse_args(argv, prog, registry.add_arguments, extra_args_provider)
     validate_args(args)
     registry.validate_args(args)
     start = time.time()
     initialize_megatron(args)
-    try:
-        tokenizer = build_tokenizer(args)  # also sets args.padded_vocab_size
-        model, optimizer, scheduler, _ = setup_model_and_optimizer(args, functools.partial(model_provider, args))
-        state = TrainingState()
-        state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)
-        print_rank_0(f"setup done in {time.time() - start:.1f} s: {args.world_size} ranks = "
-                     f"TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size} x "
-                     f"DP{args.data_parallel_size} on {args.device}, "
-                     f"{args.num_parameters_on_rank / 1e6:.2f} M parameters on rank 0, "
-                     f"starting at iteration {state.iteration}")
-        registry.call("after_setup", args, model, optimizer, scheduler)
-        train_iterator, valid_iterator, test_iterator = _build_iterators(
-            args, dataset_provider, tokenizer, len(model), consumed_samples)
-        trainer = Trainer(args, registry, model, optimizer, scheduler,
-                          functools.partial(forward_step_func, args))
-        trainer.train(state, train_iterator, valid_iterator,
-                      training_flops_per_iteration(args, args.padded_vocab_size))
-        finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval
-        if finished and test_iterator is not None and args.eval_iters > 0:
-            log_evaluation("test", state.iteration, trainer.evaluate(test_iterator, args.eval_iters))
-        registry.call("on_train_end", args, state.iteration)
-        return state.history
-    finally:
-        shutdown()
+    tokenizer = build_tokenizer(args)  # also sets args.padded_vocab_size
+    model, optimizer, scheduler, _ = setup_model_and_optimizer(args, functools.partial(model_provider, args))
+    state = TrainingState()
+    state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)
+    print_rank_0(f"setup done in {time.time() - start:.1f} s: {args.world_size} ranks = "
+                 f"TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size} x "
+                 f"DP{args.data_parallel_size} on {args.device}, "
+                 f"{args.num_parameters_on_rank / 1e6:.2f} M parameters on rank 0, "
+                 f"starting at iteration {state.iteration}")
+    registry.call("after_setup", args, model, optimizer, scheduler)
+    iterators = _build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
+    trainer = Trainer(args, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
+    return Job(args, trainer, state, *iterators)
+
+
+def pretrain(argv, **entry_point):
+    """Run a whole training job from command-line flags; returns the logged loss history.
+
+    ``entry_point``: prog, model_provider, dataset_provider, forward_step_func (see setup_job)."""
+    # No try/finally: tearing the process groups down while a peer still waits in a collective
+    # hangs; on an error the process exits and the launcher ends the others.
+    job = setup_job(argv, **entry_point)
+    args, trainer, state = job.args, job.trainer, job.state
+    trainer.train(state, job.train_iterator, job.valid_iterator)
+    finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval
+    if finished and job.test_iterator is not None and args.eval_iters > 0:
+        log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters))
+    trainer.registry.call("on_train_end", args, state.iteration)
+    shutdown()
+    return state.history

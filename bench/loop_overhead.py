@@ -1,0 +1,103 @@
+"""Cost of MegatronApp's training loop against a bare loop over megatron-core's schedule.
+
+Both loops drive the same model, optimizer and data iterator in one process group, in
+alternating blocks (bare, ours, bare, ours, ...) after a warm-up block, so clocks, caches and
+data position drift equally for both. The bare loop is what any megatron-core user writes:
+zero the grad buffers, call the forward-backward function, step the optimizer and scheduler.
+Ours is ``Trainer.train``: the same plus plugin hooks, loss reduction, logging, SIGTERM agreement.
+
+    torchrun --nproc_per_node N bench/loop_overhead.py <pretrain_gpt.py flags> \
+        [--bench-blocks 4] [--bench-iters 10] [--bench-json out.json]
+
+--train-iters must cover the warm-up block and all the blocks of both loops.
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
+
+import pretrain_gpt  # noqa: E402
+from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: E402
+from megatron.training.errors import exit_on_user_error  # noqa: E402
+from megatron.training.initialize import shutdown  # noqa: E402
+from megatron.training.training import setup_job  # noqa: E402
+
+
+def _bench_args(parser):
+    group = parser.add_argument_group("benchmark")
+    group.add_argument("--bench-blocks", type=int, default=4, help="blocks of each loop")
+    group.add_argument("--bench-iters", type=int, default=10, help="iterations per block")
+    group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
+
+
+def _synchronized_seconds(run, args):
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    torch.distributed.barrier()
+    start = time.perf_counter()
+    run()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    torch.distributed.barrier()
+    return time.perf_counter() - start
+
+
+def bare_loop(job, iterations):
+    trainer, args = job.trainer, job.args
+    for _ in range(iterations):
+        for chunk in trainer.model:
+            chunk.zero_grad_buffer()
+        trainer.optimizer.zero_grad()
+        trainer.forward_backward(
+            forward_step_func=trainer.forward_step_func, data_iterator=job.train_iterator,
+            model=trainer.model, num_microbatches=get_num_microbatches(), seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size, decoder_seq_length=args.seq_length, forward_only=False)
+        succeeded, _, _ = trainer.optimizer.step()
+        if succeeded:
+            trainer.scheduler.step(increment=1)
+    job.state.iteration += iterations
+
+
+def our_loop(job, iterations):
+    job.args.train_iters = job.state.iteration + iterations
+    job.trainer.train(job.state, job.train_iterator, None)
+
+
+@exit_on_user_error
+def main():
+    job = setup_job(sys.argv[1:], prog="bench/loop_overhead.py", model_provider=pretrain_gpt.model_provider,
+                    dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
+                    extra_args_provider=_bench_args)
+    args = job.args
+    needed = (2 * args.bench_blocks + 1) * args.bench_iters
+    if args.train_iters < needed:
+        sys.exit(f"bench/loop_overhead.py: error: --train-iters must be >= {needed} "
+                 f"((2 x --bench-blocks + 1) x --bench-iters)")
+    _synchronized_seconds(lambda: bare_loop(job, args.bench_iters), args)  # warm-up
+    times = {"bare": [], "ours": []}
+    for _ in range(args.bench_blocks):
+        for name, loop in (("bare", bare_loop), ("ours", our_loop)):
+            seconds = _synchronized_seconds(lambda: loop(job, args.bench_iters), args)
+            times[name].append(seconds / args.bench_iters * 1000)
+    bare, ours = statistics.median(times["bare"]), statistics.median(times["ours"])
+    result = {"bare_ms_per_iter": bare, "ours_ms_per_iter": ours, "overhead_percent": (ours / bare - 1) * 100,
+              "blocks_ms_per_iter": times, "world_size": args.world_size,
+              "layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
+                        f"xDP{args.data_parallel_size}"}
+    if torch.distributed.get_rank() == 0:
+        print(f"loop overhead {result['layout']}: bare {bare:.1f} ms/iter, ours {ours:.1f} ms/iter, "
+              f"overhead {result['overhead_percent']:+.2f}%", flush=True)
+        if args.bench_json:
+            with open(args.bench_json, "w") as f:
+                json.dump(result, f, indent=1)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: install, turn the sample corpus into Megatron data, train a
+# small GPT at TP2 x PP2 (4 CPU processes, or the local GPUs when there are any) and save a checkpoint.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/install.sh
+
+OUT_DIR=${OUT_DIR:-outputs/quickstart}
+mkdir -p "$OUT_DIR/data"
+"$PYTHON" tools/preprocess_data.py --input datasets/gpt/corpus.jsonl --output-prefix "$OUT_DIR/data/gpt" \
+    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json \
+    --merge-file datasets/gpt/merges.txt --append-eod --workers 2
+
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 4 ]; then NPROC=4 TP=2 PP=2 DEVICE=cuda
+elif [ "$GPUS" -ge 2 ]; then NPROC=2 TP=2 PP=1 DEVICE=cuda
+elif [ "$GPUS" -eq 1 ]; then NPROC=1 TP=1 PP=1 DEVICE=cuda
+else NPROC=4 TP=2 PP=2 DEVICE=cpu
+fi
+echo "training on $NPROC process(es), TP$TP x PP$PP, device $DEVICE"
+PYTHON="$PYTHON" NPROC=$NPROC TP=$TP PP=$PP DEVICE=$DEVICE \
+    DATA_PATH="$OUT_DIR/data/gpt_text_document" CHECKPOINT_DIR="$OUT_DIR/checkpoints" \
+    bash examples/gpt3/train_gpt_tiny.sh 2>&1 | tee "$OUT_DIR/train.log"
+
+echo
+echo "outputs:"
+echo "  data:        $OUT_DIR/data/gpt_text_document.{bin,idx}"
+echo "  checkpoint:  $OUT_DIR/checkpoints/iter_$(printf %07d "$(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt")")"
+echo "  log:         $OUT_DIR/train.log"
