@@ -4,10 +4,13 @@ Data: tools/preprocess_data.py with --split-sentences and a WordPiece vocabulary
 document holds its sentences (the sentence-order objective needs them).
 """
 
+import copy
 import functools
 import sys
 
 import torch
+
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 import torch.nn.functional as F
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
@@ -16,18 +19,20 @@ from megatron.core.models.bert.bert_model import BertModel
 from megatron.training.core_configs import transformer_config
 from megatron.training.data import blend_from_args, build_datasets, next_batch
 from megatron.training.errors import ArgumentError, exit_on_user_error
+from megatron.training.local_layer_specs import block_spec_with_torch_norms
 from megatron.training.training import pretrain
 
 
 def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
+    config = transformer_config(args)
     if args.transformer_impl == "transformer_engine":
         from megatron.core.models.bert.bert_layer_specs import get_bert_layer_with_transformer_engine_spec
 
         layer_spec = get_bert_layer_with_transformer_engine_spec()
     else:
-        layer_spec = bert_layer_local_spec
+        layer_spec = block_spec_with_torch_norms(copy.deepcopy(bert_layer_local_spec), config, vp_stage)
     return BertModel(
-        config=transformer_config(args),
+        config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,
         transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size,

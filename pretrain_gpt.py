@@ -4,6 +4,8 @@ import functools
 import sys
 
 import torch
+
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -14,16 +16,19 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.training.core_configs import transformer_config
 from megatron.training.data import blend_from_args, build_datasets, next_batch
 from megatron.training.errors import exit_on_user_error
+from megatron.training.local_layer_specs import block_spec_with_torch_norms
 from megatron.training.training import pretrain
 
 
 def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
+    config = transformer_config(args)
     if args.transformer_impl == "transformer_engine":
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        layer_spec = get_gpt_layer_local_spec(normalization=args.normalization)
+        layer_spec = block_spec_with_torch_norms(
+            get_gpt_layer_local_spec(normalization=args.normalization), config, vp_stage)
     return GPTModel(
-        config=transformer_config(args),
+        config=config,
         transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,

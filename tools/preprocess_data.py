@@ -8,22 +8,15 @@ The files appear only when complete: they are written under temporary names besi
 """
 
 import json
-import logging
 import multiprocessing
 import os
 import re
 import sys
 import tempfile
 import time
-import warnings
 
 # Run as a script from anywhere: the repository root holds the megatron.training package.
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-# megatron-core warns on import that Transformer Engine and Apex are missing, and on every
-# tokenizer that the legacy interface is deprecated: neither concerns tokenizing text.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-logging.getLogger("megatron.core.datasets.megatron_tokenizer").setLevel(logging.ERROR)
-
 import numpy  # noqa: E402
 
 # Only light modules here: megatron-core (under megatron.training.tokenizer too) takes seconds to

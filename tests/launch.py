@@ -1,0 +1,69 @@
+"""Launch the real entry points as a user would (torchrun, gloo on CPU) and read their logs."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A tiny GPT on the sample vocabulary; no dropout and layout-invariant initialization so that
+# every parallel layout computes the same losses.
+TINY_GPT = [
+    "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+    "--seq-length", "64", "--max-position-embeddings", "64",
+    "--micro-batch-size", "2", "--global-batch-size", "8",
+    "--lr", "3e-3", "--min-lr", "3e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2",
+    "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization",
+    "--device", "cpu", "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
+    "--split", "98,2,0",
+]
+
+
+def gpt_data_args(prefix):
+    return ["--data-path", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
+            "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
+            "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(nproc, script, args):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master-port", str(free_port()), str(REPO / script), *map(str, args)]
+
+
+def child_env(extra=None):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.update(extra or {})
+    return env
+
+
+def torchrun(nproc, script, args, env=None, timeout=600):
+    """Run to completion; returns the CompletedProcess (stdout and stderr as text)."""
+    return subprocess.run(torchrun_command(nproc, script, args), cwd=REPO, env=child_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(script, args, env=None, timeout=120):
+    """One process, no launcher: how a mistyped command is usually first run."""
+    return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
+                          env=child_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+_ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")
+
+
+def lm_losses(output):
+    """{iteration: lm loss} from the training log lines."""
+    return {int(i): float(loss) for i, loss in _ITERATION_LINE.findall(output)}
+
+
+def assert_succeeded(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
