@@ -68,11 +68,45 @@ def _restore_rng(rng):
     tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
 
 
+def _prepare_torch_adam_for_loading(optimizer):
+    """Let megatron-core 0.16's DistributedOptimizer load into PyTorch's Adam (no apex/TE).
+
+    Two gaps on that path: the per-parameter state, 'step' included, appears only at the first
+    step, yet building the state dict to load reads 'step'; and loading copies every state entry
+    of the destination, 'step' too, from a source that keeps 'step' apart (it is restored from
+    the param groups). So: allocate placeholder state (the checkpoint overwrites it) and hand the
+    per-parameter copy the destination's own 'step' (a copy onto itself)."""
+    for megatron_optimizer in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if megatron_optimizer.init_state_fn is None:
+            continue
+        megatron_optimizer.init_state_fn(megatron_optimizer.optimizer, megatron_optimizer.config)
+        for state in megatron_optimizer.optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))
+        if hasattr(megatron_optimizer, "_set_main_param_and_optimizer_states"):
+            _keep_step_when_loading(megatron_optimizer)
+
+
+def _keep_step_when_loading(distributed_optimizer):
+    copy_states = distributed_optimizer._set_main_param_and_optimizer_states
+
+    def copy_states_keeping_step(model_param, tensors):
+        group_index, group_order = distributed_optimizer.model_param_group_index_map[model_param]
+        main_param = distributed_optimizer.optimizer.param_groups[group_index]["params"][group_order]
+        step = distributed_optimizer.optimizer.state[main_param].get("step")
+        if step is not None and "step" not in tensors:
+            tensors = {**tensors, "step": step}
+        copy_states(model_param, tensors)
+
+    distributed_optimizer._set_main_param_and_optimizer_states = copy_states_keeping_step
+
+
 def _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading):
     state = {}
     for index, chunk in enumerate(model):
         state[_model_key(index, model)] = chunk.module.sharded_state_dict()  # keys without DDP's "module."
     if with_optimizer:
+        if is_loading:
+            _prepare_torch_adam_for_loading(optimizer)
         model_state = {k: v for k, v in state.items() if k.startswith("model")}
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
                                                           metadata=_SHARDING_METADATA)

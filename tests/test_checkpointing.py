@@ -1,0 +1,65 @@
+"""Checkpoints: resumable at another TP/PP with the losses of an uninterrupted run; SIGTERM saves."""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, lm_losses, torchrun,
+                    torchrun_command)
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _train(nproc, data, iterations, *flags):
+    result = torchrun(nproc, "pretrain_gpt.py", TINY_GPT + gpt_data_args(data) + ["--train-iters", iterations, *flags])
+    assert_succeeded(result)
+    return result
+
+
+def test_checkpoint_saved_at_tp2_resumes_at_pp2_with_uninterrupted_losses(gpt_data, tmp_path):
+    uninterrupted = lm_losses(_train(1, gpt_data, 6).stdout)
+    _train(2, gpt_data, 6, "--tensor-model-parallel-size", "2", "--save", tmp_path, "--exit-interval", "3")
+    assert (tmp_path / TRACKER).read_text() == "3"
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", TRACKER]  # nothing left .inprogress
+    resumed = _train(2, gpt_data, 6, "--pipeline-model-parallel-size", "2", "--load", tmp_path)
+    assert "starting at iteration 3" in resumed.stdout
+    losses = lm_losses(resumed.stdout)
+    assert sorted(losses) == [4, 5, 6]
+    for iteration in (4, 5, 6):
+        assert losses[iteration] == pytest.approx(uninterrupted[iteration], rel=1e-3), (iteration, losses, uninterrupted)
+
+
+def test_distributed_optimizer_checkpoint_resumes_in_bf16(gpt_data, tmp_path):
+    flags = ["--bf16", "--use-distributed-optimizer"]
+    uninterrupted = lm_losses(_train(2, gpt_data, 4, *flags).stdout)
+    _train(2, gpt_data, 4, *flags, "--save", tmp_path, "--exit-interval", "2")
+    losses = lm_losses(_train(2, gpt_data, 4, *flags, "--load", tmp_path).stdout)
+    assert sorted(losses) == [3, 4]
+    assert losses[4] == pytest.approx(uninterrupted[4], rel=1e-2)  # bf16 weights
+
+
+def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
+    save = tmp_path / "ckpt"
+    command = torchrun_command(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
+        "--train-iters", "10000", "--tensor-model-parallel-size", "2", "--save", save])
+    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    output = []
+    deadline = time.time() + 300
+    for line in launcher.stdout:
+        output.append(line)
+        if "iteration        3/" in line:
+            launcher.send_signal(signal.SIGTERM)  # as a scheduler's preemption does
+            break
+        assert time.time() < deadline, "".join(output)
+    output.append(launcher.communicate(timeout=300)[0])
+    log = "".join(output)
+    assert "SIGTERM received: stopping at iteration" in log, log[-3000:]
+    saved = int((save / TRACKER).read_text())
+    assert 3 <= saved < 10000
+    resumed = _train(2, gpt_data, saved + 1, "--tensor-model-parallel-size", "2", "--load", save)
+    assert f"starting at iteration {saved}" in resumed.stdout
+    assert sorted(lm_losses(resumed.stdout)) == [saved + 1]
