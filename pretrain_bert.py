@@ -4,7 +4,6 @@ Data: tools/preprocess_data.py with --split-sentences and a WordPiece vocabulary
 document holds its sentences (the sentence-order objective needs them).
 """
 
-import copy
 import functools
 import sys
 
@@ -15,11 +14,11 @@ import torch.nn.functional as F
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron.training.core_configs import transformer_config
 from megatron.training.data import blend_from_args, build_datasets, next_batch
 from megatron.training.errors import ArgumentError, exit_on_user_error
-from megatron.training.local_layer_specs import block_spec_with_torch_norms
 from megatron.training.training import pretrain
 
 
@@ -30,7 +29,11 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
 
         layer_spec = get_bert_layer_with_transformer_engine_spec()
     else:
-        layer_spec = block_spec_with_torch_norms(copy.deepcopy(bert_layer_local_spec), config, vp_stage)
+        if args.sequence_parallel and bert_layer_local_spec.submodules.input_layernorm is WrappedTorchNorm:
+            # BertModel reads its spec as one layer's, so the final norm cannot be swapped in.
+            raise ArgumentError("--sequence-parallel with BERT needs apex or --transformer-impl "
+                                "transformer_engine; drop --sequence-parallel")
+        layer_spec = bert_layer_local_spec
     return BertModel(
         config=config,
         num_tokentypes=2 if args.bert_binary_head else 0,

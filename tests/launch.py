@@ -53,6 +53,7 @@ def torchrun(nproc, script, args, env=None, timeout=600):
 
 def run_script(script, args, env=None, timeout=120):
     """One process, no launcher: how a mistyped command is usually first run."""
+    env = {"MASTER_PORT": str(free_port()), **(env or {})}
     return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
                           env=child_env(env), capture_output=True, text=True, timeout=timeout)
 

@@ -157,9 +157,9 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     args = parse_args(argv, prog, registry.add_arguments, extra_args_provider)
     validate_args(args)
     registry.validate_args(args)
+    tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
     start = time.time()
     initialize_megatron(args)
-    tokenizer = build_tokenizer(args)  # also sets args.padded_vocab_size
     model, optimizer, scheduler, _ = setup_model_and_optimizer(args, functools.partial(model_provider, args))
     state = TrainingState()
     state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)

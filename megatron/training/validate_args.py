@@ -7,6 +7,8 @@ import os
 
 import torch
 
+from megatron.training.checkpointing import read_tracker
+from megatron.training.data import blend_from_args
 from megatron.training.errors import ArgumentError
 
 
@@ -124,6 +126,8 @@ def _validate_schedule(args):
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
         args.end_weight_decay = args.weight_decay
+    if args.load is not None:
+        read_tracker(args.load)  # a corrupt tracker file fails here, not after start-up
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
         _require(args.save is not None, "--save-interval needs --save <directory>")
@@ -134,6 +138,7 @@ def _validate_data(args):
         _require(not args.data_path, "--mock-data and --data-path are mutually exclusive")
     else:
         _require(bool(args.data_path), "give --data-path <prefix> (a preprocessed dataset) or --mock-data")
+        blend_from_args(args)  # every prefix has its .bin and .idx
     split = args.split.replace("/", ",").split(",")
     _require(all(part.strip().replace(".", "", 1).isdigit() for part in split) and 1 <= len(split) <= 3,
              f"--split {args.split!r} must be up to three numbers like 969,30,1")

@@ -1,0 +1,69 @@
+"""Each documented launch mistake stops at start with one line on stderr and a non-zero exit."""
+
+import concurrent.futures
+
+import pytest
+
+from launch import REPO, TINY_GPT, gpt_data_args, run_script
+
+MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "2"]
+
+# name: (flags, environment, expected fragment of the one line)
+CASES = {
+    "unknown flag": (MOCK + ["--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
+    "missing required flag": (["--num-layers", "2"], {}, "the following arguments are required"),
+    "world size not divisible by TP x PP": (
+        MOCK + ["--tensor-model-parallel-size", "2"], {"WORLD_SIZE": "3"},
+        "world size 3 is not divisible by --tensor-model-parallel-size 2"),
+    "layers not divisible by the pipeline": (
+        MOCK + ["--pipeline-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
+        "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    "data parallelism does not divide the global batch": (
+        MOCK + ["--global-batch-size", "6"], {"WORLD_SIZE": "4"},
+        "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 4"),
+    "virtual pipeline without a pipeline": (
+        MOCK + ["--num-layers-per-virtual-pipeline-stage", "1"], {},
+        "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
+    "bf16 and fp16 together": (MOCK + ["--bf16", "--fp16"], {}, "--bf16 and --fp16 are mutually exclusive"),
+    "no data": (["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},
+                "give --data-path <prefix>"),
+    "missing dataset files": (
+        ["--train-iters", "2"] + gpt_data_args("/nonexistent/corpus_text_document"), {},
+        "/nonexistent/corpus_text_document.bin does not exist"),
+    "missing vocabulary file": (
+        ["--train-iters", "2", "--mock-data", "--tokenizer-type", "GPT2BPETokenizer",
+         "--vocab-file", "/nonexistent/vocab.json", "--merge-file", str(REPO / "datasets/gpt/merges.txt")], {},
+        "/nonexistent/vocab.json"),
+    "transformer engine not installed": (
+        MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),
+}
+
+
+def _run(flags, env):
+    return run_script("pretrain_gpt.py", TINY_GPT + flags, env=env)
+
+
+@pytest.fixture(scope="module")
+def results():
+    # Each run spends seconds importing megatron-core: run them side by side.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
+        futures = {name: pool.submit(_run, flags, env) for name, (flags, env, _) in CASES.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_mistake_gives_one_clear_line(case, results):
+    result, expected = results[case], CASES[case][2]
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("pretrain_gpt.py: error: ") and expected in lines[0], lines[0]
+
+
+def test_corrupt_checkpoint_tracker_is_named(tmp_path):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("not-a-number")
+    result = _run(MOCK + ["--load", str(tmp_path)], {})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"pretrain_gpt.py: error: --load: {tmp_path}/latest_checkpointed_iteration.txt should hold an "
+        f"iteration number but holds 'not-a-number'"]
