@@ -16,8 +16,8 @@ from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megatron.training.core_configs import transformer_config
-from megatron.training.data import blend_from_args, build_datasets, next_batch
+from megatron.training.core_configs import language_model_kwargs, transformer_config
+from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import ArgumentError, exit_on_user_error
 from megatron.training.training import pretrain
 
@@ -34,19 +34,9 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
             raise ArgumentError("--sequence-parallel with BERT needs apex or --transformer-impl "
                                 "transformer_engine; drop --sequence-parallel")
         layer_spec = bert_layer_local_spec
-    return BertModel(
-        config=config,
-        num_tokentypes=2 if args.bert_binary_head else 0,
-        transformer_layer_spec=layer_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        add_binary_head=args.bert_binary_head,
-        vp_stage=vp_stage,
-    )
+    return BertModel(config=config, transformer_layer_spec=layer_spec,
+                     num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head,
+                     **language_model_kwargs(args, pre_process, post_process, vp_stage))
 
 
 def dataset_provider(args, tokenizer):
@@ -54,12 +44,7 @@ def dataset_provider(args, tokenizer):
         raise ArgumentError("pretrain_bert.py needs --data-path (a sentence-split WordPiece dataset); "
                             "--mock-data is GPT-only")
     config = BERTMaskedWordPieceDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend_from_args(args),
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
+        **dataset_config_kwargs(args, tokenizer),
         masking_probability=args.mask_prob,
         short_sequence_probability=args.short_seq_prob,
         masking_max_ngram=3,
@@ -72,21 +57,17 @@ def dataset_provider(args, tokenizer):
     return build_datasets(args, BERTMaskedWordPieceDataset, config)
 
 
-def _sum_and_count(values, mask):
-    return torch.stack([torch.sum(values * mask).detach(), mask.sum()])
-
-
 def loss_func(loss_mask, sentence_order, output):
     """Masked-LM loss over masked tokens, plus the sentence-order loss with a binary head."""
     lm_losses, sop_logits = output
     mask = loss_mask.float().view(-1)
     lm_losses = lm_losses.float().view(-1)
     lm_loss = torch.sum(lm_losses * mask) / mask.sum().clamp(min=1)
-    reported = {"lm loss": _sum_and_count(lm_losses, mask)}
+    reported = {"lm loss": sum_and_count(lm_losses, mask)}
     if sop_logits is None:
         return lm_loss, reported
     sop_losses = F.cross_entropy(sop_logits.view(-1, 2).float(), sentence_order.view(-1), reduction="none")
-    reported["sop loss"] = _sum_and_count(sop_losses, torch.ones_like(sop_losses))
+    reported["sop loss"] = sum_and_count(sop_losses, torch.ones_like(sop_losses))
     return lm_loss + sop_losses.mean(), reported
 
 

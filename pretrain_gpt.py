@@ -13,8 +13,8 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
-from megatron.training.core_configs import transformer_config
-from megatron.training.data import blend_from_args, build_datasets, next_batch
+from megatron.training.core_configs import language_model_kwargs, transformer_config
+from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import exit_on_user_error
 from megatron.training.local_layer_specs import block_spec_with_torch_norms
 from megatron.training.training import pretrain
@@ -27,28 +27,13 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
     else:
         layer_spec = block_spec_with_torch_norms(
             get_gpt_layer_local_spec(normalization=args.normalization), config, vp_stage)
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        vp_stage=vp_stage,
-    )
+    return GPTModel(config=config, transformer_layer_spec=layer_spec, rotary_base=args.rotary_base,
+                    **language_model_kwargs(args, pre_process, post_process, vp_stage))
 
 
 def dataset_provider(args, tokenizer):
     config = GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
-        blend=blend_from_args(args),
-        split=args.split,
-        path_to_cache=args.data_cache_path,
-        tokenizer=tokenizer,
+        **dataset_config_kwargs(args, tokenizer),
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask,
         eod_mask_loss=args.eod_mask_loss,
@@ -61,9 +46,7 @@ def loss_func(loss_mask, output_tensor):
     """Mean loss over unmasked tokens; reports (sum, count) so replicas average exactly."""
     losses = output_tensor.float().view(-1)
     mask = loss_mask.view(-1).float()
-    loss_sum = torch.sum(losses * mask)
-    tokens = mask.sum()
-    return loss_sum / tokens.clamp(min=1), {"lm loss": torch.stack([loss_sum.detach(), tokens])}
+    return torch.sum(losses * mask) / mask.sum().clamp(min=1), {"lm loss": sum_and_count(losses, mask)}
 
 
 def forward_step(args, data_iterator, model):

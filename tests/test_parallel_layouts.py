@@ -25,6 +25,8 @@ LAYOUTS = {
     "tp2_dp2_distributed_optimizer": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
     "pp2_virtual": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_sequence_parallel": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2_recompute_full": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
+                               "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
 }
 
 

@@ -81,3 +81,16 @@ def optimizer_config(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_param_gather=args.overlap_param_gather,
     )
+
+
+def language_model_kwargs(args, pre_process, post_process, vp_stage):
+    """Constructor arguments that megatron-core's GPTModel and BertModel share."""
+    return dict(
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        vp_stage=vp_stage,
+    )

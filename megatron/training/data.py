@@ -39,6 +39,17 @@ def blend_from_args(args):
     return blend
 
 
+def dataset_config_kwargs(args, tokenizer):
+    """Fields that every megatron-core dataset config (GPT, BERT) takes from the flags."""
+    return dict(random_seed=args.seed, sequence_length=args.seq_length, blend=blend_from_args(args),
+                split=args.split, path_to_cache=args.data_cache_path, tokenizer=tokenizer)
+
+
+def sum_and_count(values, mask):
+    """A loss to report as (sum, count): summed over microbatches and replicas, then divided."""
+    return torch.stack([torch.sum(values * mask).detach(), mask.sum()])
+
+
 def build_datasets(args, dataset_class, config):
     """(train, valid, test) datasets, built on every rank (megatron-core caches the indices)."""
     return BlendedMegatronDatasetBuilder(
