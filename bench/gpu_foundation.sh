@@ -28,7 +28,7 @@ done
 for name in dp2 tp2 pp2; do
     echo "=== loop overhead $name"
     timeout 240 torchrun --nproc_per_node 2 bench/loop_overhead.py "${MODEL[@]}" ${LAYOUTS[$name]} \
-        --train-iters 200 --log-interval 10 --bench-blocks 8 --bench-iters 10 \
+        --train-iters 100 --log-interval 10 --bench-pairs 40 \
         --bench-json "$RESULTS/overhead_$name.json" > "$RESULTS/overhead_$name.log" 2>&1
     echo "exit $?"; grep "loop overhead" "$RESULTS/overhead_$name.log"
 done

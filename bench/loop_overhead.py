@@ -1,15 +1,18 @@
 """Cost of MegatronApp's training loop against a bare loop over megatron-core's schedule.
 
-Both loops drive the same model, optimizer and data iterator in one process group, in
-alternating blocks (bare, ours, bare, ours, ...) after a warm-up block, so clocks, caches and
-data position drift equally for both. The bare loop is what any megatron-core user writes:
-zero the grad buffers, call the forward-backward function, step the optimizer and scheduler.
-Ours is ``Trainer.train``: the same plus plugin hooks, loss reduction, logging, SIGTERM agreement.
+Both loops drive the same model, optimizer and data iterator in one process group. After a
+warm-up, they take turns in pairs (bare then ours, then ours then bare, ...), each turn
+--bench-iters iterations timed between a device synchronize and a barrier, so that clock,
+thermal and data drift land on both alike. The figure is the median over pairs of
+ours / bare - 1, with the interquartile range of those per-pair ratios as its noise.
+The bare loop is what any megatron-core user writes: zero the grad buffers, call the
+forward-backward function, step the optimizer and scheduler. Ours is ``Trainer.train``: the same
+plus plugin hooks, loss reduction across replicas, logging and the SIGTERM agreement.
 
     torchrun --nproc_per_node N bench/loop_overhead.py <pretrain_gpt.py flags> \
-        [--bench-blocks 8] [--bench-iters 10] [--bench-json out.json]
+        [--bench-pairs 40] [--bench-iters 1] [--bench-json out.json]
 
---train-iters must cover the warm-up block and all the blocks of both loops.
+--train-iters must cover the warm-up and all turns: (2 x pairs + 5) x iters.
 """
 
 import json
@@ -31,8 +34,8 @@ from megatron.training.training import setup_job  # noqa: E402
 
 def _bench_args(parser):
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--bench-blocks", type=int, default=8, help="blocks of each loop")
-    group.add_argument("--bench-iters", type=int, default=10, help="iterations per block")
+    group.add_argument("--bench-pairs", type=int, default=40, help="turns of each loop")
+    group.add_argument("--bench-iters", type=int, default=1, help="iterations per turn")
     group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
 
 
@@ -75,26 +78,34 @@ def main():
                     dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
                     extra_args_provider=_bench_args)
     args = job.args
-    needed = (2 * args.bench_blocks + 1) * args.bench_iters
+    warmup_turns = 5
+    needed = (2 * args.bench_pairs + warmup_turns) * args.bench_iters
     if args.train_iters < needed:
         sys.exit(f"bench/loop_overhead.py: error: --train-iters must be >= {needed} "
-                 f"((2 x --bench-blocks + 1) x --bench-iters)")
-    _synchronized_seconds(lambda: bare_loop(job, args.bench_iters), args)  # warm-up
+                 f"((2 x --bench-pairs + {warmup_turns}) x --bench-iters)")
+    loops = {"bare": bare_loop, "ours": our_loop}
+    for _ in range(warmup_turns):
+        _synchronized_seconds(lambda: bare_loop(job, args.bench_iters), args)
     times = {"bare": [], "ours": []}
-    for _ in range(args.bench_blocks):
-        for name, loop in (("bare", bare_loop), ("ours", our_loop)):
-            seconds = _synchronized_seconds(lambda: loop(job, args.bench_iters), args)
+    for pair in range(args.bench_pairs):
+        for name in (("bare", "ours") if pair % 2 == 0 else ("ours", "bare")):
+            seconds = _synchronized_seconds(lambda: loops[name](job, args.bench_iters), args)
             times[name].append(seconds / args.bench_iters * 1000)
-    bare, ours = statistics.median(times["bare"]), statistics.median(times["ours"])
-    # How far blocks of the same loop lie apart: a difference between the loops below this is noise.
-    spread = max(max(t) / min(t) - 1 for t in times.values()) * 100
-    result = {"bare_ms_per_iter": bare, "ours_ms_per_iter": ours, "overhead_percent": (ours / bare - 1) * 100,
-              "block_spread_percent": spread, "blocks_ms_per_iter": times, "world_size": args.world_size,
-              "layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
-                        f"xDP{args.data_parallel_size}"}
+    ratios = sorted(ours / bare - 1 for bare, ours in zip(times["bare"], times["ours"]))
+    quartiles = statistics.quantiles(ratios, n=4)
+    result = {
+        "overhead_percent": statistics.median(ratios) * 100,
+        "overhead_iqr_percent": [quartiles[0] * 100, quartiles[2] * 100],
+        "bare_ms_per_iter": statistics.median(times["bare"]),
+        "ours_ms_per_iter": statistics.median(times["ours"]),
+        "turn_ms_per_iter": times, "world_size": args.world_size,
+        "layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
+                  f"xDP{args.data_parallel_size}",
+    }
     if torch.distributed.get_rank() == 0:
-        print(f"loop overhead {result['layout']}: bare {bare:.1f} ms/iter, ours {ours:.1f} ms/iter, "
-              f"overhead {result['overhead_percent']:+.2f}% (blocks of one loop differ by up to {spread:.1f}%)",
+        print(f"loop overhead {result['layout']}: bare {result['bare_ms_per_iter']:.1f} ms/iter, "
+              f"ours {result['ours_ms_per_iter']:.1f} ms/iter, overhead {result['overhead_percent']:+.2f}% "
+              f"(interquartile {quartiles[0] * 100:+.2f}% .. {quartiles[2] * 100:+.2f}%, {args.bench_pairs} pairs)",
               flush=True)
         if args.bench_json:
             with open(args.bench_json, "w") as f:

@@ -53,7 +53,7 @@ class TrainingLog:
         for name, value in losses.items():
             self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
         self.grad_norm = grad_norm
-        if iteration % self.args.log_interval == 0 or iteration == self.args.train_iters:
+        if iteration % self.args.log_interval == 0:
             self._emit(iteration)
 
     def _emit(self, iteration):
