@@ -1,22 +1,10 @@
 #!/usr/bin/env bash
-# Loop overhead only (bench/loop_overhead.py) for GPT 345M bf16 at DP2, PP2 and TP2 on two GPUs.
-# Writes JSON and logs under ${RESULTS:-bench_results}.
+# Loop overhead (bench/loop_overhead.py) for GPT 345M bf16 at DP2, PP2 and TP2 on two GPUs.
+# Writes JSON and logs under ${RESULTS:-bench_results}; PAIRS (30) pairs of iterations per layout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-RESULTS=${RESULTS:-bench_results}
+source bench/gpt345m_setup.sh
 PAIRS=${PAIRS:-30}
-mkdir -p "$RESULTS/data"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-python3 tools/preprocess_data.py --input datasets/gpt/corpus.jsonl --output-prefix "$RESULTS/data/gpt" \
-    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json \
-    --merge-file datasets/gpt/merges.txt --append-eod --workers 8 > /dev/null || exit 1
-MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
-       --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 32 --bf16
-       --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 1e-2
-       --clip-grad 1.0 --adam-beta2 0.95 --data-path "$RESULTS/data/gpt_text_document" --split 98,2,0
-       --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json
-       --merge-file datasets/gpt/merges.txt --eval-interval 100000 --eval-iters 0 --log-interval 10)
-declare -A LAYOUTS=([dp2]="" [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2")
 for name in ${NAMES:-dp2 pp2 tp2}; do
     timeout 200 torchrun --nproc_per_node 2 bench/loop_overhead.py "${MODEL[@]}" ${LAYOUTS[$name]} \
         --train-iters $(( 2 * PAIRS + 5 )) --bench-pairs "$PAIRS" \

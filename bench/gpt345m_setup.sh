@@ -1,0 +1,16 @@
+# Sourced by the GPU benchmark scripts: the sample data preprocessed under $RESULTS and, in MODEL,
+# the GPT 345M bf16 flags they share (24 layers, hidden 1024, 16 heads, sequence 1024).
+RESULTS=${RESULTS:-bench_results}
+mkdir -p "$RESULTS/data"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+python3 tools/preprocess_data.py --input datasets/gpt/corpus.jsonl --output-prefix "$RESULTS/data/gpt" \
+    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json \
+    --merge-file datasets/gpt/merges.txt --append-eod --workers 8 > /dev/null || exit 1
+MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
+       --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 32 --bf16
+       --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 1e-2
+       --clip-grad 1.0 --adam-beta2 0.95 --data-path "$RESULTS/data/gpt_text_document" --split 98,2,0
+       --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json
+       --merge-file datasets/gpt/merges.txt --eval-interval 100000 --eval-iters 0 --log-interval 10)
+declare -A LAYOUTS=([dp2]="" [dp2_distopt]="--use-distributed-optimizer"
+                    [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2")
