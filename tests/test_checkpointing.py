@@ -44,7 +44,8 @@ def test_distributed_optimizer_checkpoint_resumes_in_bf16(gpt_data, tmp_path):
 def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
     save = tmp_path / "ckpt"
     command = torchrun_command(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
-        "--train-iters", "10000", "--tensor-model-parallel-size", "2", "--save", save])
+        "--train-iters", "10000", "--tensor-model-parallel-size", "2", "--save", save,
+        "--num-workers", "2"])  # loader workers must survive the signal too
     launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     output = []

@@ -6,7 +6,7 @@ import pytest
 
 from launch import REPO, TINY_GPT, gpt_data_args, run_script
 
-MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "2"]
+MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
 
 # name: (flags, environment, expected fragment of the one line)
 CASES = {
@@ -25,15 +25,17 @@ CASES = {
         MOCK + ["--num-layers-per-virtual-pipeline-stage", "1"], {},
         "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     "bf16 and fp16 together": (MOCK + ["--bf16", "--fp16"], {}, "--bf16 and --fp16 are mutually exclusive"),
-    "no data": (["--train-iters", "2", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},
+    "no data": (["--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},
                 "give --data-path <prefix>"),
     "missing dataset files": (
-        ["--train-iters", "2"] + gpt_data_args("/nonexistent/corpus_text_document"), {},
+        ["--train-iters", "3"] + gpt_data_args("/nonexistent/corpus_text_document"), {},
         "/nonexistent/corpus_text_document.bin does not exist"),
     "missing vocabulary file": (
-        ["--train-iters", "2", "--mock-data", "--tokenizer-type", "GPT2BPETokenizer",
+        ["--train-iters", "3", "--mock-data", "--tokenizer-type", "GPT2BPETokenizer",
          "--vocab-file", "/nonexistent/vocab.json", "--merge-file", str(REPO / "datasets/gpt/merges.txt")], {},
         "/nonexistent/vocab.json"),
+    "warm-up longer than the decay": (
+        MOCK + ["--lr-warmup-iters", "5"], {}, "the warm-up (5 iterations) must end before the decay does"),
     "transformer engine not installed": (
         MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),
 }
@@ -67,3 +69,11 @@ def test_corrupt_checkpoint_tracker_is_named(tmp_path):
     assert result.stderr.strip().splitlines() == [
         f"pretrain_gpt.py: error: --load: {tmp_path}/latest_checkpointed_iteration.txt should hold an "
         f"iteration number but holds 'not-a-number'"]
+
+
+def test_split_without_documents_is_named(gpt_data):
+    # 197 documents: a 0.1 % test share rounds to none, and megatron-core would loop forever.
+    result = _run(gpt_data_args(gpt_data) + ["--train-iters", "3", "--split", "969,30,1", "--eval-iters", "1"], {})
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--split 969,30,1: the test split of" in lines[0] and "gets none of its 197" in lines[0]

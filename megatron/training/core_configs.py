@@ -44,6 +44,7 @@ def transformer_config(args, config_class=TransformerConfig):
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=True,
+        cuda_graph_scope=[],  # the whole layer; the default "full" spelling warns as deprecated
         # Pipeline p2p: one batched isend/irecv on NCCL; gloo has no batched p2p.
         batch_p2p_comm=not on_cpu,
     )

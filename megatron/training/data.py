@@ -6,6 +6,7 @@ where a checkpoint left off.
 """
 
 import os
+import signal
 
 import torch
 from megatron.core import parallel_state
@@ -50,11 +51,28 @@ def sum_and_count(values, mask):
     return torch.stack([torch.sum(values * mask).detach(), mask.sum()])
 
 
+_SPLIT_NAMES = ("train", "validation", "test")
+
+
+def _check_splits_have_documents(args, dataset_class, config, sample_counts):
+    """A split asked for samples but given no documents makes megatron-core's index builder loop
+    forever (it adds epochs of nothing); say so instead. Shares are rounded as megatron-core does."""
+    for prefix in config.blend[0]:
+        documents = dataset_class.numel_low_level_dataset(dataset_class.build_low_level_dataset(prefix, config))
+        for name, share, samples in zip(_SPLIT_NAMES, config.split_matrix, sample_counts):
+            if samples and share is not None and round(share[0] * documents) == round(share[1] * documents):
+                raise UserError(
+                    f"--split {args.split}: the {name} split of {prefix} gets none of its {documents} "
+                    f"documents, yet {samples} samples are needed from it; give it a larger share"
+                    + (" or set --eval-iters 0" if name != "train" else ""))
+
+
 def build_datasets(args, dataset_class, config):
     """(train, valid, test) datasets, built on every rank (megatron-core caches the indices)."""
-    return BlendedMegatronDatasetBuilder(
-        dataset_class, split_sample_counts(args), lambda: True, config
-    ).build()
+    sample_counts = split_sample_counts(args)
+    if config.blend is not None:
+        _check_splits_have_documents(args, dataset_class, config, sample_counts)
+    return BlendedMegatronDatasetBuilder(dataset_class, sample_counts, lambda: True, config).build()
 
 
 class PretrainingSampler:
@@ -76,6 +94,12 @@ class PretrainingSampler:
             yield list(range(first + start, first + start + self.micro_batch_size))
 
 
+def _ignore_sigterm(worker_id):
+    """Loader workers leave SIGTERM to the trainer, which stops at an agreed iteration, saves
+    and then ends them; a launcher that signals the whole process tree would kill them mid-batch."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def _loader(args, dataset, consumed_samples):
     if dataset is None:
         return None
@@ -83,7 +107,7 @@ def _loader(args, dataset, consumed_samples):
                                  parallel_state.get_data_parallel_rank(),
                                  parallel_state.get_data_parallel_world_size())
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=args.num_workers,
+        dataset, batch_sampler=sampler, num_workers=args.num_workers, worker_init_fn=_ignore_sigterm,
         pin_memory=args.device == "cuda", persistent_workers=args.num_workers > 0,
     )
 

@@ -120,6 +120,9 @@ def _validate_schedule(args):
         _require(args.lr_warmup_iters == 0, "use either --lr-warmup-iters or --lr-warmup-fraction, not both")
         _require(0.0 <= args.lr_warmup_fraction <= 1.0, "--lr-warmup-fraction must be in [0, 1]")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"the warm-up ({args.lr_warmup_iters} iterations) must end before the decay does "
+             f"(--lr-decay-iters, default --train-iters: {args.lr_decay_iters})")
     if args.lr_decay_style == "WSD":
         _require(args.lr_wsd_decay_iters is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters")
     if args.start_weight_decay is None:
