@@ -74,12 +74,11 @@ def connect_schedule_hooks(args, model, optimizer):
     if args.overlap_param_gather:
         param_sync = [chunk.start_param_sync for chunk in model]
         config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
-    return config
 
 
 def setup_model_and_optimizer(args, model_provider):
     model = build_model(args, model_provider)
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
     scheduler = build_scheduler(args, optimizer)
-    config = connect_schedule_hooks(args, model, optimizer)
-    return model, optimizer, scheduler, config
+    connect_schedule_hooks(args, model, optimizer)
+    return model, optimizer, scheduler

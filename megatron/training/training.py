@@ -7,7 +7,7 @@ hooks of ``plugins.PluginRegistry``; this file knows no plugin.
 
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
@@ -33,7 +33,6 @@ class TrainingState:
 
     iteration: int = 0
     last_saved_iteration: int = -1
-    history: list = field(default_factory=list)
 
 
 def reduce_reported_losses(per_microbatch):
@@ -127,7 +126,6 @@ class Trainer:
                 break
         if args.save and state.last_saved_iteration != state.iteration:
             self.save(state)
-        state.history = log.history
 
 
 def _build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samples):
@@ -160,7 +158,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
     start = time.time()
     initialize_megatron(args)
-    model, optimizer, scheduler, _ = setup_model_and_optimizer(args, functools.partial(model_provider, args))
+    model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(model_provider, args))
     state = TrainingState()
     state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)
     print_rank_0(f"setup done in {time.time() - start:.1f} s: {args.world_size} ranks = "
@@ -175,7 +173,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
 
 
 def pretrain(argv, **entry_point):
-    """Run a whole training job from command-line flags; returns the logged loss history.
+    """Run a whole training job from command-line flags.
 
     ``entry_point``: prog, model_provider, dataset_provider, forward_step_func (see setup_job)."""
     # No try/finally: tearing the process groups down while a peer still waits in a collective
@@ -188,4 +186,3 @@ def pretrain(argv, **entry_point):
         log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters))
     trainer.registry.call("on_train_end", args, state.iteration)
     shutdown()
-    return state.history

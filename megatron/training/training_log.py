@@ -43,7 +43,6 @@ class TrainingLog:
         self.loss_sums = {}
         self.grad_norm = None
         self.learning_rate = 0.0
-        self.history = []  # (iteration, {loss name: value}) for every logged window
 
     def record(self, iteration, losses, grad_norm, skipped, learning_rate):
         """``losses`` may be device tensors: they are summed there and read once per line."""
@@ -77,7 +76,6 @@ class TrainingLog:
             parts.append(f"grad norm: {self.grad_norm:.3f}")
         parts += [f"number of skipped iterations: {self.skipped:3d}", peak_memory_text(args.device)]
         print_last_rank(" " + " | ".join(parts))
-        self.history.append((iteration, averages))
         self.window_start, self.window_iterations, self.skipped, self.loss_sums = time.time(), 0, 0, {}
 
 
