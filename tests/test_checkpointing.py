@@ -32,13 +32,16 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2_with_uninterrupted_losses(gpt_da
         assert losses[iteration] == pytest.approx(uninterrupted[iteration], rel=1e-3), (iteration, losses, uninterrupted)
 
 
-def test_distributed_optimizer_checkpoint_resumes_in_bf16(gpt_data, tmp_path):
+def test_distributed_optimizer_checkpoint_in_bf16_resumes_at_another_layout(gpt_data, tmp_path):
     flags = ["--bf16", "--use-distributed-optimizer"]
-    uninterrupted = lm_losses(_train(2, gpt_data, 4, *flags).stdout)
-    _train(2, gpt_data, 4, *flags, "--save", tmp_path, "--exit-interval", "2")
-    losses = lm_losses(_train(2, gpt_data, 4, *flags, "--load", tmp_path).stdout)
+    tp2_dp2, pp2_dp2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
+    uninterrupted = lm_losses(_train(4, gpt_data, 4, *flags, *tp2_dp2).stdout)
+    _train(4, gpt_data, 4, *flags, *tp2_dp2, "--save", tmp_path, "--exit-interval", "2")
+    losses = lm_losses(_train(4, gpt_data, 4, *flags, *pp2_dp2, "--load", tmp_path).stdout)
     assert sorted(losses) == [3, 4]
-    assert losses[4] == pytest.approx(uninterrupted[4], rel=1e-2)  # bf16 weights
+    for iteration in (3, 4):
+        # bf16 weights; a run that dropped the optimizer state is 2.6 % off at iteration 4
+        assert losses[iteration] == pytest.approx(uninterrupted[iteration], rel=2e-3)
 
 
 def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
