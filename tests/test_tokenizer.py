@@ -3,6 +3,8 @@ megatron-core's datasets read, and every bad file fails with a one-line Tokenize
 
 import argparse
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -174,3 +176,12 @@ def test_bad_bert_vocab_and_huggingface_files_raise_one_line(tmp_path):
 
 def test_tokenizer_error_is_a_user_error_and_a_value_error():
     assert issubclass(TokenizerError, UserError) and issubclass(TokenizerError, ValueError)
+
+
+def test_vocabulary_order_is_the_same_in_every_process():
+    # megatron-core's BERT dataset picks random replacement tokens by position in inv_vocab.
+    script = ("from megatron.training.tokenizer import BertWordPieceTokenizer as T; "
+              f"print(list(T({BERT_VOCAB!r}, lower_case=True).inv_vocab)[:50])")
+    outputs = {subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+               for _ in range(3)}
+    assert len(outputs) == 1 and outputs.pop().startswith("[0, 1, 2, 3, 4, 5")

@@ -28,7 +28,9 @@ class FastTokenizer(MegatronLegacyTokenizer):
 
     @functools.cached_property
     def vocab(self):
-        return self._tokenizer.get_vocab(with_added_tokens=True)
+        # In id order: the library's dict comes in a hash order that changes from process to
+        # process, and megatron-core's BERT dataset draws replacement tokens by position in it.
+        return dict(sorted(self._tokenizer.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1]))
 
     @functools.cached_property
     def inv_vocab(self):
