@@ -13,4 +13,6 @@ MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
        --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json
        --merge-file datasets/gpt/merges.txt --eval-interval 100000 --eval-iters 0 --log-interval 10)
 declare -A LAYOUTS=([dp2]="" [dp2_distopt]="--use-distributed-optimizer"
-                    [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2")
+                    [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2"
+                    [tp2_distopt]="--tensor-model-parallel-size 2 --use-distributed-optimizer"
+                    [pp2_distopt]="--pipeline-model-parallel-size 2 --use-distributed-optimizer")
