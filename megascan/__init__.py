@@ -1,0 +1,1 @@
+"""MegaScan: tracing of every rank, a clock-aligned global timeline, and detection of slow ranks."""
