@@ -79,8 +79,8 @@ def forward_step(args, data_iterator, model):
 
 
 @exit_on_user_error
-def main(argv=None):
-    pretrain(sys.argv[1:] if argv is None else argv, prog="pretrain_bert.py",
+def main():
+    pretrain(sys.argv[1:], prog="pretrain_bert.py",
              model_provider=model_provider, dataset_provider=dataset_provider,
              forward_step_func=forward_step)
 

@@ -58,8 +58,8 @@ def forward_step(args, data_iterator, model):
 
 
 @exit_on_user_error
-def main(argv=None):
-    pretrain(sys.argv[1:] if argv is None else argv, prog="pretrain_gpt.py",
+def main():
+    pretrain(sys.argv[1:], prog="pretrain_gpt.py",
              model_provider=model_provider, dataset_provider=dataset_provider,
              forward_step_func=forward_step)
 

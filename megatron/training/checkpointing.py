@@ -100,15 +100,14 @@ def _keep_step_when_loading(distributed_optimizer):
     distributed_optimizer._set_main_param_and_optimizer_states = copy_states_keeping_step
 
 
-def _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading):
+def _sharded_state_dict(model, optimizer, scheduler, with_optimizer, with_rng, is_loading):
     state = {}
     for index, chunk in enumerate(model):
         state[_model_key(index, model)] = chunk.module.sharded_state_dict()  # keys without DDP's "module."
     if with_optimizer:
         if is_loading:
             _prepare_torch_adam_for_loading(optimizer)
-        model_state = {k: v for k, v in state.items() if k.startswith("model")}
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=is_loading,
                                                           metadata=_SHARDING_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
@@ -130,7 +129,7 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
     if rank == 0:
         os.makedirs(work_dir, exist_ok=True)
     torch.distributed.barrier()
-    state = _sharded_state_dict(args, model, optimizer, scheduler,
+    state = _sharded_state_dict(model, optimizer, scheduler,
                                 with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
                                 is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_train_samples,
@@ -174,7 +173,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
     with_optimizer = contents["optimizer"] and not (args.no_load_optim or args.finetune)
     # RNG streams belong to (pipeline, tensor) ranks: meaningless in another layout.
     with_rng = contents["rng"] and same_layout and not (args.no_load_rng or args.finetune)
-    state = _sharded_state_dict(args, model, optimizer, scheduler, with_optimizer, with_rng, is_loading=True)
+    state = _sharded_state_dict(model, optimizer, scheduler, with_optimizer, with_rng, is_loading=True)
     loaded = dist_checkpointing.load(state, directory)
     for index, chunk in enumerate(model):
         chunk.module.load_state_dict(loaded[_model_key(index, model)], strict=True)

@@ -12,7 +12,7 @@ so ``--device cpu`` installs, once per process and before any model is built:
 * the tensor-parallel RNG tracker reading and writing the CPU generator, so that
   ``get_cuda_rng_tracker().fork()`` still gives model-parallel regions their own stream.
 
-What does not work on CPU: bf16/fp16 loss scaling kernels from apex/TE, transformer-engine,
+What does not work on CPU: fp16 (no loss-scaling kernels), transformer-engine,
 CUDA graphs, fused kernels and NVML. Everything lives in this module so that the CUDA path
 never sees it; nothing here edits megatron-core's files.
 """
@@ -47,27 +47,9 @@ class _CudaToCpuMode(TorchFunctionMode):
             # Optimizers group parameters by 'torch.cuda.FloatTensor' etc.
             name = func(*args)
             return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
-        if func in (torch.Tensor.to, torch.Tensor.cuda) and len(args) > 1:
+        if func is torch.Tensor.to and len(args) > 1:
             args = (args[0], _to_cpu(args[1])) + tuple(args[2:])
-        if func is torch.Tensor.cuda:
-            return args[0]
         return func(*args, **kwargs)
-
-
-class _MemoryStatsStandIn:
-    """CPU has no caching allocator: peak-memory queries answer zero."""
-
-    @staticmethod
-    def max_memory_allocated(*_, **__):
-        return 0
-
-    @staticmethod
-    def memory_allocated(*_, **__):
-        return 0
-
-    @staticmethod
-    def memory_stats(*_, **__):
-        return {}
 
 
 def _patch_torch_cuda():
@@ -90,8 +72,9 @@ def _patch_torch_cuda():
     cuda.set_rng_state = lambda state, *_, **__: torch.set_rng_state(state)
     cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(seed)
     cuda.manual_seed_all = lambda seed: None  # torch.manual_seed calls it after seeding the CPU
-    for name in ("max_memory_allocated", "memory_allocated", "memory_stats"):
-        setattr(cuda, name, getattr(_MemoryStatsStandIn, name))
+    # No caching allocator on CPU: memory queries answer zero.
+    cuda.max_memory_allocated = cuda.memory_allocated = lambda *_, **__: 0
+    cuda.memory_stats = lambda *_, **__: {}
     torch.Tensor.cuda = lambda self, *_, **__: self
 
 

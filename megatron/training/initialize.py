@@ -27,7 +27,6 @@ def _init_process_group(args):
             rank=int(os.environ.get("RANK", "0")),
             timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
         )
-    args.rank = torch.distributed.get_rank()
 
 
 def set_random_seed(seed):
@@ -47,7 +46,7 @@ def initialize_megatron(args):
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
     )
     init_num_microbatches_calculator(
-        rank=args.rank,
+        rank=torch.distributed.get_rank(),
         rampup_batch_size=None,
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,

@@ -33,7 +33,6 @@ def build_model(args, model_provider):
     if args.device == "cuda":
         for chunk in chunks:
             chunk.cuda(torch.cuda.current_device())
-    args.num_parameters_on_rank = sum(p.numel() for c in chunks for p in c.parameters())
     if args.fp16 or args.bf16:
         # Casts the weights and the inputs/outputs at the chunk's boundary, as in Megatron-LM.
         chunks = [Float16Module(config, chunk) for chunk in chunks]

@@ -164,7 +164,8 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     print_rank_0(f"setup done in {time.time() - start:.1f} s: {args.world_size} ranks = "
                  f"TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size} x "
                  f"DP{args.data_parallel_size} on {args.device}, "
-                 f"{args.num_parameters_on_rank / 1e6:.2f} M parameters on rank 0, "
+                 f"{sum(p.numel() for chunk in model for p in chunk.parameters()) / 1e6:.2f} M "
+                 f"parameters on rank 0, "
                  f"starting at iteration {state.iteration}")
     registry.call("after_setup", args, model, optimizer, scheduler)
     iterators = _build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)

@@ -11,17 +11,17 @@ import time
 import torch
 
 
-def is_logging_rank():
-    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-
-
 def print_rank_0(message):
     if torch.distributed.get_rank() == 0:
         print(message, flush=True)
 
 
+def _is_last_rank():
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
 def print_last_rank(message):
-    if is_logging_rank():
+    if _is_last_rank():
         print(message, flush=True)
 
 
@@ -53,7 +53,9 @@ class TrainingLog:
             self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
         self.grad_norm = grad_norm
         if iteration % self.args.log_interval == 0:
-            self._emit(iteration)
+            if _is_last_rank():  # the others only start a new window: no host sync, no string work
+                self._emit(iteration)
+            self.window_start, self.window_iterations, self.skipped, self.loss_sums = time.time(), 0, 0, {}
 
     def _emit(self, iteration):
         args = self.args
@@ -75,8 +77,7 @@ class TrainingLog:
         if self.grad_norm is not None:
             parts.append(f"grad norm: {self.grad_norm:.3f}")
         parts += [f"number of skipped iterations: {self.skipped:3d}", peak_memory_text(args.device)]
-        print_last_rank(" " + " | ".join(parts))
-        self.window_start, self.window_iterations, self.skipped, self.loss_sums = time.time(), 0, 0, {}
+        print(" " + " | ".join(parts), flush=True)
 
 
 def log_evaluation(label, iteration, losses):
