@@ -15,4 +15,12 @@ MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
 declare -A LAYOUTS=([dp2]="" [dp2_distopt]="--use-distributed-optimizer"
                     [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2"
                     [tp2_distopt]="--tensor-model-parallel-size 2 --use-distributed-optimizer"
-                    [pp2_distopt]="--pipeline-model-parallel-size 2 --use-distributed-optimizer")
+                    [pp2_distopt]="--pipeline-model-parallel-size 2 --use-distributed-optimizer"
+                    [dp2_fp16]="--fp16")
+# The model flags of a layout: MODEL with its --bf16 dropped when the layout asks for --fp16.
+model_flags() {
+    local flag
+    for flag in "${MODEL[@]}"; do
+        [[ $flag == --bf16 && " ${LAYOUTS[$1]} " == *" --fp16 "* ]] || printf '%s\n' "$flag"
+    done
+}
