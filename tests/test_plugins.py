@@ -21,7 +21,7 @@ def test_every_hook_is_called_and_the_supplied_schedule_runs(gpt_data, tmp_path)
         reported = [["lm loss"]] if rank == 1 else [[]]  # only the last stage holds losses
         expected = [["validate_args"], ["after_setup", 1, "ChainedOptimizer", "OptimizerParamScheduler"]]
         for iteration in (1, 2, 3):
-            expected += [["iteration_begin", iteration], ["schedule", False],
+            expected += [["iteration_begin", iteration], ["wrapped", False], ["schedule", False],
                          ["iteration_end", iteration, *reported]]
         expected.append(["train_end", 3])
         assert calls == expected

@@ -7,6 +7,7 @@ A plugin is an object with any subset of these methods; the loop calls only what
     is_enabled(args) -> bool              a disabled plugin gets no further call: zero cost
     after_setup(args, model, optimizer, scheduler)   model and optimizer are built
     forward_backward_func(args) -> callable | None   supply the schedule of an iteration
+    wrap_schedule(args, schedule) -> callable        wrap whichever schedule runs (tracing)
     on_iteration_begin(args, iteration)
     on_iteration_end(args, iteration, metrics)       metrics: losses, grad norm, skipped
     on_train_end(args, iteration)                    flush, stop servers, release memory
@@ -78,3 +79,10 @@ class PluginRegistry:
             names = ", ".join(type(p).__name__ for p, _ in supplied)
             raise ArgumentError(f"two plugins each want to run the pipeline schedule ({names}); enable one")
         return supplied[0][1] if supplied else default
+
+    def wrap_schedule(self, args, schedule):
+        """Let every enabled plugin wrap the chosen schedule, in registration order (innermost first)."""
+        for plugin in self.enabled:
+            if hasattr(plugin, "wrap_schedule"):
+                schedule = plugin.wrap_schedule(args, schedule)
+        return schedule

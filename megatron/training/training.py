@@ -59,7 +59,8 @@ class Trainer:
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
-        self.forward_backward = registry.forward_backward_func(args, get_forward_backward_func())
+        self.forward_backward = registry.wrap_schedule(
+            args, registry.forward_backward_func(args, get_forward_backward_func()))
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
         self.sigterm = SigtermAgreement()
 

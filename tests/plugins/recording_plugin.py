@@ -39,6 +39,13 @@ class RecordingPlugin:
 
         return recorded_schedule
 
+    def wrap_schedule(self, args, schedule):
+        def wrapped_schedule(**kwargs):
+            self.calls.append(["wrapped", kwargs["forward_only"]])
+            return schedule(**kwargs)
+
+        return wrapped_schedule
+
     def on_iteration_begin(self, args, iteration):
         self.calls.append(["iteration_begin", iteration])
 

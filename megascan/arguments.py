@@ -1,0 +1,88 @@
+"""MegaScan's launch flags and their checks (run on every rank before any process group exists)."""
+
+import glob
+import os
+
+from megatron.training.errors import ArgumentError
+
+TRACE_FILE_PATTERN = "benchmark-data-*-pipeline-*-tensor-*.json"
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("MegaScan tracing")
+    group.add_argument("--trace", action="store_true",
+                       help="trace every rank's compute and communication (megascan)")
+    group.add_argument("--trace-dir", default="trace_output",
+                       help="where each rank writes benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json")
+    group.add_argument("--trace-interval", type=int, default=5,
+                       help="trace a window of iterations out of every this many")
+    group.add_argument("--continuous-trace-iterations", type=int, default=2,
+                       help="consecutive iterations per trace window (the last ones of each interval)")
+    group.add_argument("--trace-granularity", choices=("base", "full"), default="full",
+                       help="base: iterations, microbatches, optimizer, communication; "
+                            "full: also every layer's attention and MLP")
+    group.add_argument("--inject-slowdown-rank", type=int, default=None,
+                       help="(testing) make this global rank's layer compute slower, --device cpu only")
+    group.add_argument("--inject-slowdown-factor", type=float, default=2.0,
+                       help="(testing) how many times slower --inject-slowdown-rank computes")
+    group.add_argument("--inject-hang-rank", type=int, default=None,
+                       help="(testing) this global rank stops itself (SIGSTOP) in --inject-hang-iteration")
+    group.add_argument("--inject-hang-iteration", type=int, default=None,
+                       help="(testing) the iteration in which --inject-hang-rank stops")
+
+
+def _require(condition, message):
+    if not condition:
+        raise ArgumentError(message)
+
+
+def validate_trace_args(args):
+    interval, continuous = args.trace_interval, args.continuous_trace_iterations
+    _require(interval >= 1, f"--trace-interval must be at least 1, got {interval}")
+    _require(1 <= continuous <= interval,
+             f"--continuous-trace-iterations must be between 1 and --trace-interval ({interval}), "
+             f"got {continuous}")
+    _require(interval <= args.train_iters,
+             f"--trace-interval {interval} is larger than --train-iters {args.train_iters}: "
+             f"no iteration would be traced; lower --trace-interval")
+    trace_dir = args.trace_dir
+    if os.path.exists(trace_dir):
+        _require(os.path.isdir(trace_dir), f"--trace-dir {trace_dir} exists and is not a directory")
+        _require(os.access(trace_dir, os.W_OK | os.X_OK), f"--trace-dir {trace_dir} is not writable")
+        existing = sorted(glob.glob(os.path.join(trace_dir, TRACE_FILE_PATTERN)))
+        _require(not existing,
+                 f"--trace-dir {trace_dir} already holds traces of another run "
+                 f"({os.path.basename(existing[0]) if existing else ''}); choose an empty directory "
+                 f"or move those files away")
+    else:
+        parent = os.path.dirname(os.path.abspath(trace_dir))
+        _require(os.access(_existing_ancestor(parent), os.W_OK),
+                 f"--trace-dir {trace_dir} cannot be created (no write access above it)")
+
+
+def _existing_ancestor(path):
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def fault_injection_requested(args):
+    return args.inject_slowdown_rank is not None or args.inject_hang_rank is not None
+
+
+def validate_fault_injection_args(args):
+    for flag, rank in (("--inject-slowdown-rank", args.inject_slowdown_rank),
+                       ("--inject-hang-rank", args.inject_hang_rank)):
+        if rank is not None:
+            _require(0 <= rank < args.world_size,
+                     f"{flag} {rank} is not a rank of this job (0..{args.world_size - 1})")
+            _require(args.device == "cpu",
+                     f"{flag} acts on the host and works with --device cpu only; "
+                     f"on GPUs slow one down with scripts/gpu_load.py")
+    factor = args.inject_slowdown_factor
+    _require(factor >= 1.0, f"--inject-slowdown-factor must be at least 1, got {factor}")
+    if args.inject_hang_rank is not None:
+        iteration = args.inject_hang_iteration
+        _require(iteration is not None and 1 <= iteration <= args.train_iters,
+                 f"--inject-hang-rank needs --inject-hang-iteration between 1 and --train-iters "
+                 f"({args.train_iters}), got {iteration}")

@@ -1,0 +1,157 @@
+"""Record every collective and point-to-point operation where it really happens: at the process group.
+
+megatron-core reaches communication through ``torch.distributed`` functions, through functions it
+bound at import time (``dist_all_gather_func``) and through coalescing managers; all of them end
+in a method of ``torch.distributed.ProcessGroup``. While a trace window is open those methods are
+replaced by recording wrappers; outside windows the originals are back and nothing is checked.
+
+A wrapper records the op (group, sequence number, bytes, dtype, peer) and its start, and hands
+back the Work wrapped so that the rank's ``wait()`` marks the end. Ops issued inside a coalesced
+batch (``_start_coalescing`` .. ``_end_coalescing``, how NCCL batches p2p) end with the batch's Work.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from torch.distributed import ProcessGroup
+
+# Methods whose first argument holds the input tensors; the rest take (outputs, inputs, ...).
+_INPUT_FIRST = {"allreduce", "allreduce_coalesced", "broadcast", "reduce", "send", "recv", "barrier"}
+COLLECTIVE_METHODS = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "barrier",
+    "allgather", "allgather_coalesced", "_allgather_base", "allgather_into_tensor_coalesced",
+    "all_gather_single", "all_gather_single_coalesced",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+    "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter",
+)
+P2P_METHODS = ("send", "recv")
+
+_GROUP_ROLES = (  # megatron-core's groups, by the role a trace reader cares about
+    ("tp", lambda: parallel_state.get_tensor_model_parallel_group()),
+    ("pp", lambda: parallel_state.get_pipeline_model_parallel_group()),
+    ("dp", lambda: parallel_state.get_data_parallel_group()),
+    ("dp_cp", lambda: parallel_state.get_data_parallel_group(with_context_parallel=True)),
+    ("mp", lambda: parallel_state.get_model_parallel_group()),
+    ("embd", lambda: parallel_state.get_embedding_group()),
+    ("pos_embd", lambda: parallel_state.get_position_embedding_group()),
+)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _size_and_dtype(method, args):
+    inputs = args[0] if method in _INPUT_FIRST else (args[1] if len(args) > 1 else ())
+    tensors = list(_tensors(inputs))
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    return nbytes, (str(tensors[0].dtype).removeprefix("torch.") if tensors else None)
+
+
+class TracedWork:
+    """A Work whose ``wait()`` also marks the end of the ops it completes."""
+
+    __slots__ = ("_work", "_records", "_recorder")
+
+    def __init__(self, work, records, recorder):
+        self._work, self._records, self._recorder = work, records, recorder
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        self._recorder.end_ops(self._records)
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+class CommTracer:
+    def __init__(self, recorder):
+        self.recorder = recorder
+        self.groups = {}  # group name -> (global ranks, role)
+        self.coalescing = {}  # group name -> records issued inside an open coalesced batch
+        self.originals = {}
+        self.roles = {}
+
+    def install(self):
+        if not self.roles:
+            self.roles = {id(dist.group.WORLD): "world"}
+            for role, getter in reversed(_GROUP_ROLES):  # reversed: the first role of a shared group wins
+                group = _group_or_none(getter)
+                if group is not None:
+                    self.roles[id(group)] = role
+        wrappers = {name: self._traced(name, getattr(ProcessGroup, name))
+                    for name in COLLECTIVE_METHODS + P2P_METHODS if hasattr(ProcessGroup, name)}
+        wrappers["_start_coalescing"] = self._start_coalescing(ProcessGroup._start_coalescing)
+        wrappers["_end_coalescing"] = self._end_coalescing(ProcessGroup._end_coalescing)
+        for name, wrapper in wrappers.items():
+            # The class's own descriptor, not getattr's unwrapped function: only the descriptor
+            # binds ``self`` again once it is put back.
+            self.originals[name] = ProcessGroup.__dict__.get(name)
+            setattr(ProcessGroup, name, wrapper)
+
+    def uninstall(self):
+        for name, original in self.originals.items():
+            if original is None:
+                delattr(ProcessGroup, name)
+            else:
+                setattr(ProcessGroup, name, original)
+        self.originals = {}
+        self.coalescing = {}
+
+    def _group(self, group):
+        name = group.group_name
+        if name not in self.groups:
+            self.groups[name] = (dist.get_process_group_ranks(group), self.roles.get(id(group), "other"))
+        ranks, role = self.groups[name]
+        window_groups = self.recorder.window.groups
+        if name not in window_groups:
+            window_groups[name] = {"ranks": ranks, "role": role}
+        return name, ranks
+
+    def _traced(self, method, original):
+        recorder = self.recorder
+        kind = method if method in P2P_METHODS else "collective"
+
+        def traced(group, *args, **kwargs):
+            name, ranks = self._group(group)
+            nbytes, dtype = _size_and_dtype(method, args)
+            if kind == "collective":
+                record = recorder.add_op(method, kind, name, name, None, nbytes, dtype)
+            else:
+                peer = ranks[args[1]]
+                record = recorder.add_op(method, kind, name, (name, kind, peer), peer, nbytes, dtype)
+            work = original(group, *args, **kwargs)
+            if name in self.coalescing:
+                self.coalescing[name].append(record)
+                return work
+            return TracedWork(work, [record], recorder) if work is not None else work
+
+        return traced
+
+    def _start_coalescing(self, original):
+        def start(group, *args, **kwargs):
+            self.coalescing[group.group_name] = []
+            return original(group, *args, **kwargs)
+
+        return start
+
+    def _end_coalescing(self, original):
+        def end(group, *args, **kwargs):
+            records = self.coalescing.pop(group.group_name, [])
+            work = original(group, *args, **kwargs)
+            return TracedWork(work, records, self.recorder) if work is not None and records else work
+
+        return end
+
+
+def _group_or_none(getter):
+    try:
+        return getter()
+    except (AssertionError, RuntimeError):  # a group megatron-core did not create in this layout
+        return None

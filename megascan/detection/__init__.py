@@ -1,0 +1,82 @@
+"""Find the slow GPU, slow link or hung rank in a merged MegaScan trace (``tools/aggregate.py -d``).
+
+A true culprit is the slowest member of every synchronous group it joins, while a victim only
+lags because it waits. The stages: (a) compute of identical operations across ranks,
+(b) arrival order and waits inside collectives, (c) pipeline links and waits across them,
+(d) hangs from sequence numbers, (e) NVML readings. ``detect`` combines them into suspects.
+"""
+
+from megascan.detection.compute import compute_slowness
+from megascan.detection.hangs import find_hangs
+from megascan.detection.links import link_stats
+from megascan.detection.nvml_evidence import nvml_evidence
+from megascan.detection.report import Report, Suspect
+from megascan.detection.waits import group_waits, rank_waits
+
+SLOW_COMPUTE_RATIO = 1.2  # own compute at least 20% over the same operations elsewhere ...
+SLOW_COMPUTE_Z = 5.0  # ... and far outside the spread of the other ranks
+IMPOSED_FRACTION = 0.05  # peers waited on it for at least 5% of its traced time ...
+IMPOSED_OVER_WAITED = 2.0  # ... at least twice what it waited for them
+P2P_ONLY_IMPOSED_FRACTION = 0.2  # pipeline bubbles alone make a stage look late: ask for more
+
+
+def _traced_time_us(trace):
+    return sum(e["end"] - e["start"] for e in trace.events if e["name"] == "iteration") or 1.0
+
+
+def _slow_rank_evidence(rank, trace, compute, waits):
+    """(score, evidence lines) of one rank; score 0 when it is not a culprit."""
+    evidence, score = [], 0.0
+    slow = compute.get(rank)
+    if slow and slow["ratio"] >= SLOW_COMPUTE_RATIO and slow["z"] >= SLOW_COMPUTE_Z:
+        score += slow["ratio"] - 1.0
+        evidence.append(f"compute: its own compute takes {slow['ratio']:.2f}x the median of identical "
+                        f"operations on the other ranks (they: {slow['others_ratio']:.2f}x; "
+                        f"{slow['samples']} samples, z={slow['z']:.0f})")
+    entry = waits.get(rank)
+    if entry and entry["groups"]:
+        traced = _traced_time_us(trace)
+        imposed = entry["imposed_us"] / traced
+        leads_all = len(entry["slowest_in"]) == len(entry["groups"])
+        only_p2p = all(name.startswith("p2p") for name in entry["groups"])
+        needed = P2P_ONLY_IMPOSED_FRACTION if only_p2p else IMPOSED_FRACTION
+        if leads_all and imposed >= needed and entry["imposed_us"] >= IMPOSED_OVER_WAITED * entry["waited_us"]:
+            score += imposed
+            evidence.append(f"waits: last to arrive in {entry['last']} of {entry['instances']} synchronous "
+                            f"operations; peers waited {entry['imposed_us'] / 1e3:.1f} ms on it "
+                            f"({100 * imposed:.0f}% of its traced time), it waited "
+                            f"{entry['waited_us'] / 1e3:.1f} ms")
+            evidence.append(f"slowest member of every group it joins: {', '.join(entry['groups'])}")
+    return score, evidence
+
+
+def detect(merged):
+    compute = compute_slowness(merged)
+    groups = group_waits(merged)
+    waits = rank_waits(groups)
+    nvml = nvml_evidence(merged)
+    suspects, notes = [], []
+    for hang in find_hangs(merged):
+        trace = merged.ranks[hang["rank"]]
+        suspects.append(Suspect(hang["rank"], trace.coords, trace.host, trace.device_index, "hang",
+                                100.0 + len(hang["waiting_ranks"]), [
+            f"never reached {hang['operation']} (iteration {hang['iteration']}), which ranks "
+            f"{hang['entered_by']} entered", f"ranks waiting on it: {hang['waiting_ranks']}"]))
+    hung = {suspect.rank for suspect in suspects}
+    for rank, trace in merged.ranks.items():
+        score, evidence = _slow_rank_evidence(rank, trace, compute, waits)
+        if score > 0 and rank not in hung:
+            suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank",
+                                    score, evidence + nvml[rank]))
+    suspects.sort(key=lambda suspect: -suspect.score)
+    culprits = {suspect.rank for suspect in suspects}
+    victims = [{"rank": rank, "coords": merged.ranks[rank].coords, "waited_us": entry["waited_us"],
+                "note": f"waited {entry['waited_us'] / 1e3:.1f} ms in synchronous operations"}
+               for rank, entry in sorted(waits.items())
+               if culprits and rank not in culprits and rank in merged.ranks
+               and entry["waited_us"] > entry["imposed_us"]]
+    links = link_stats(merged)
+    for rank, reason in merged.unaligned.items():
+        notes.append(f"rank {rank} was not aligned and is not analysed: {reason}")
+    alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}
+    return Report(suspects, victims, links, alignment, notes)

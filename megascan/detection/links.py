@@ -1,0 +1,39 @@
+"""Stage (c, links): effective bandwidth and latency of every pipeline link from matched send/recv.
+
+The transfer of a matched pair starts when both sides have posted (the later start) and ends
+when the receiver has the data. Links are compared with the median link: one much slower than
+the rest (with at least three links to compare) is flagged.
+"""
+
+from collections import defaultdict
+
+from megascan.detection.robust import median
+
+SLOW_LINK_FRACTION = 0.5  # a link under half the median link's bandwidth is slow
+MIN_LINKS_TO_COMPARE = 3
+
+
+def link_stats(merged):
+    per_link = defaultdict(lambda: {"bytes": 0, "seconds": 0.0, "latencies_us": [], "transfers": 0})
+    for instance in merged.instances:
+        if instance.kind != "p2p" or instance.missing:
+            continue
+        send, recv = instance.records.get(instance.src), instance.records.get(instance.dst)
+        if not send or not recv or recv.get("end") is None or recv.get("issued_only"):
+            continue
+        duration = max(recv["end"] - max(send["start"], recv["start"]), 1e-3)
+        link = per_link[(instance.src, instance.dst)]
+        link["bytes"] += instance.bytes or 0
+        link["seconds"] += duration / 1e6
+        link["latencies_us"].append(duration)
+        link["transfers"] += 1
+    links = []
+    for (src, dst), link in sorted(per_link.items()):
+        links.append({"src": src, "dst": dst, "transfers": link["transfers"],
+                      "bandwidth_gbps": link["bytes"] / link["seconds"] / 1e9 if link["seconds"] else 0.0,
+                      "median_latency_us": median(link["latencies_us"]), "slow": False})
+    if len(links) >= MIN_LINKS_TO_COMPARE:
+        typical = median([link["bandwidth_gbps"] for link in links])
+        for link in links:
+            link["slow"] = link["bandwidth_gbps"] < SLOW_LINK_FRACTION * typical
+    return links

@@ -1,0 +1,52 @@
+"""MegaScan's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
+
+import torch.distributed as dist
+
+from megascan.arguments import (add_arguments, fault_injection_requested, validate_fault_injection_args,
+                                validate_trace_args)
+from megascan.fault_injection import HangAtIteration, slow_down
+
+
+class MegaScanPlugin:
+    def __init__(self):
+        self.session = None
+        self.hang = None
+
+    def add_arguments(self, parser):
+        add_arguments(parser)
+
+    def is_enabled(self, args):
+        return args.trace or fault_injection_requested(args)
+
+    def validate_args(self, args):
+        if args.trace:
+            validate_trace_args(args)
+        if fault_injection_requested(args):
+            validate_fault_injection_args(args)
+
+    def after_setup(self, args, model, optimizer, scheduler):
+        if args.inject_slowdown_rank == dist.get_rank():
+            slow_down(model, args.inject_slowdown_factor)
+        if args.inject_hang_rank == dist.get_rank():
+            self.hang = HangAtIteration(model, args.inject_hang_iteration)
+        if args.trace:
+            from megascan.session import TraceSession  # only a traced run loads the tracers
+
+            self.session = TraceSession(args, model, optimizer)
+
+    def wrap_schedule(self, args, schedule):
+        return self.session.wrap_schedule(schedule) if self.session else schedule
+
+    def on_iteration_begin(self, args, iteration):
+        if self.hang:
+            self.hang.on_iteration_begin(iteration)
+        if self.session:
+            self.session.iteration_begin(iteration)
+
+    def on_iteration_end(self, args, iteration, metrics):
+        if self.session:
+            self.session.iteration_end(iteration)
+
+    def on_train_end(self, args, iteration):
+        if self.session:
+            self.session.finish()

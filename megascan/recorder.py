@@ -1,0 +1,95 @@
+"""What the training thread records during a trace window: compute events, communication ops
+and the context (iteration, phase, microbatch, chunk) they happened in.
+
+Records hold raw marks (CUDA events or host clock readings); the writer thread turns them into
+times after the window. Appending to a list is atomic in CPython, so the writer may read a
+window's ops while the training thread still adds to it (for ``issued`` lines of a stalled window).
+"""
+
+import time
+
+
+class TraceContext:
+    """Where the training thread is; ops and events are labelled with it."""
+
+    __slots__ = ("iteration", "phase", "microbatch", "chunk", "transfer")
+
+    def __init__(self):
+        self.iteration = None
+        self.set_phase("iteration")
+        self.transfer = None  # the pipeline transfer in progress, e.g. "forward-send"
+
+    def set_phase(self, phase, microbatch=None, chunk=None):
+        self.phase, self.microbatch, self.chunk = phase, microbatch, chunk
+
+
+class OpRecord:
+    __slots__ = ("op", "kind", "group", "seq", "peer", "bytes", "dtype", "iteration", "microbatch",
+                 "chunk", "phase", "start", "end", "host_us", "window")
+
+    def issued_fields(self):
+        return {"op": self.op, "kind": self.kind, "group": self.group, "seq": self.seq, "peer": self.peer,
+                "bytes": self.bytes, "dtype": self.dtype, "iteration": self.iteration,
+                "microbatch": self.microbatch, "chunk": self.chunk, "phase": self.phase}
+
+
+class TraceWindow:
+    def __init__(self, index, iterations, base_mark):
+        self.index = index
+        self.iterations = iterations  # the iterations this window covers
+        self.traced = []  # those that ran
+        self.base_mark = base_mark
+        self.events = []  # (name, iteration, microbatch, chunk, layer, start mark, end mark)
+        self.ops = []  # OpRecord
+        self.groups = {}  # group id -> {"ranks": [...], "role": ...}
+        self.open = True
+        self.opened_at = time.monotonic()
+
+
+class Recorder:
+    """The open window, the context, and the per-group sequence counters (which run across windows)."""
+
+    def __init__(self, timer):
+        self.timer = timer
+        self.context = TraceContext()
+        self.window = None
+        self.counters = {}
+
+    def open_window(self, index, iterations):
+        self.window = TraceWindow(index, iterations, self.timer.mark())
+        return self.window
+
+    def close_window(self):
+        window, self.window = self.window, None
+        window.open = False
+        return window
+
+    def add_event(self, name, start, end, layer=None):
+        ctx = self.context
+        self.window.events.append((name, ctx.iteration, ctx.microbatch, ctx.chunk, layer, start, end))
+
+    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype):
+        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter."""
+        window, ctx = self.window, self.context
+        record = OpRecord()
+        record.seq = self.counters.get(counter_key, 0)
+        self.counters[counter_key] = record.seq + 1
+        record.op, record.kind, record.group, record.peer = op, kind, group, peer
+        record.bytes, record.dtype = nbytes, dtype
+        record.iteration, record.microbatch, record.chunk = ctx.iteration, ctx.microbatch, ctx.chunk
+        record.phase = ctx.transfer or ctx.phase
+        record.host_us = time.time_ns() / 1000.0
+        record.end = None
+        record.window = window
+        window.ops.append(record)
+        record.start = self.timer.mark()
+        return record
+
+    def end_ops(self, records):
+        """Mark the end of records whose work the rank waited for (only while their window is open)."""
+        end = None
+        for record in records:
+            if record.end is None and record.window.open:
+                if end is None:
+                    end = self.timer.mark()
+                record.end = end

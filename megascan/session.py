@@ -1,0 +1,113 @@
+"""One rank's tracing for a whole run: which iterations are traced, switching the tracers on and off
+around them, and handing each closed window to the writer thread."""
+
+import datetime
+import os
+import socket
+import uuid
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_model_config
+
+from megascan.comm_tracer import CommTracer
+from megascan.compute_tracer import LayerTracer, OptimizerTracer, ScheduleTimers, ScheduleTracer
+from megascan.nvml_probe import NvmlProbe
+from megascan.recorder import Recorder
+from megascan.timing import make_timer
+from megascan.trace_writer import TraceWriter
+
+
+def is_traced(iteration, interval, continuous):
+    """The last ``continuous`` iterations (1-based) of every ``interval`` are traced."""
+    return (iteration - 1) % interval >= interval - continuous
+
+
+def trace_file_name(dp, pp, tp):
+    return f"benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json"
+
+
+def _shared_run_id():
+    run_id = [f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"]
+    dist.broadcast_object_list(run_id, src=0)
+    return run_id[0]
+
+
+class TraceSession:
+    def __init__(self, args, model_chunks, optimizer):
+        self.args = args
+        self.interval, self.continuous = args.trace_interval, args.continuous_trace_iterations
+        self.recorder = Recorder(make_timer(args))
+        self.config = get_model_config(model_chunks[0])
+        self.schedule = ScheduleTracer(self.recorder, model_chunks)
+        self.timers = ScheduleTimers(self.recorder)
+        self.switchable = [CommTracer(self.recorder), OptimizerTracer(self.recorder, optimizer)]
+        if args.trace_granularity == "full":
+            self.switchable.append(LayerTracer(self.recorder, model_chunks))
+        self.iteration_start = None
+        self.writer = self._open_writer(model_chunks)
+
+    def _open_writer(self, model_chunks):
+        args = self.args
+        coords = {"dp": parallel_state.get_data_parallel_rank(),
+                  "pp": parallel_state.get_pipeline_model_parallel_rank(),
+                  "tp": parallel_state.get_tensor_model_parallel_rank()}
+        on_gpu = args.device == "cuda"
+        device_index = torch.cuda.current_device() if on_gpu else None
+        metadata = {
+            "type": "metadata", "format": "megascan", "version": 1, "run_id": _shared_run_id(),
+            "rank": dist.get_rank(), "world_size": dist.get_world_size(), "coords": coords,
+            "layout": {"dp": args.data_parallel_size, "pp": args.pipeline_model_parallel_size,
+                       "tp": args.tensor_model_parallel_size, "vp": len(model_chunks),
+                       "sequence_parallel": args.sequence_parallel,
+                       "distributed_optimizer": args.use_distributed_optimizer,
+                       "micro_batch_size": args.micro_batch_size,
+                       "global_batch_size": args.global_batch_size,
+                       "num_microbatches": get_num_microbatches()},
+            "host": socket.gethostname(), "device": args.device, "device_index": device_index,
+            "device_name": torch.cuda.get_device_name(device_index) if on_gpu else "cpu",
+            "timer": self.recorder.timer.source, "granularity": args.trace_granularity,
+            "trace_interval": self.interval, "continuous_trace_iterations": self.continuous,
+            "train_iters": args.train_iters}
+        probe = NvmlProbe.open(f"GPU-{torch.cuda.get_device_properties(device_index).uuid}") if on_gpu else None
+        os.makedirs(args.trace_dir, exist_ok=True)
+        path = os.path.join(args.trace_dir, trace_file_name(**coords))
+        return TraceWriter(path, metadata, self.recorder, probe, device_index)
+
+    def wrap_schedule(self, schedule):
+        return self.schedule.wrap(schedule)
+
+    def iteration_begin(self, iteration):
+        if not is_traced(iteration, self.interval, self.continuous):
+            return
+        recorder = self.recorder
+        if recorder.window is None:
+            last = ((iteration - 1) // self.interval + 1) * self.interval
+            recorder.open_window((iteration - 1) // self.interval, list(range(iteration, last + 1)))
+        recorder.window.traced.append(iteration)
+        recorder.context.iteration = iteration
+        recorder.context.set_phase("iteration")
+        for tracer in self.switchable:
+            tracer.install()
+        self.schedule.active = True
+        self.saved_timers, self.config.timers = self.config.timers, self.timers
+        self.iteration_start = recorder.timer.mark()
+
+    def iteration_end(self, iteration):
+        if self.iteration_start is None:
+            return
+        self.recorder.add_event("iteration", self.iteration_start, self.recorder.timer.mark())
+        self.iteration_start = None
+        self.config.timers = self.saved_timers
+        self.schedule.active = False
+        for tracer in self.switchable:
+            tracer.uninstall()
+        if iteration == self.recorder.window.iterations[-1]:
+            self.writer.submit(self.recorder.close_window(), complete=True)
+
+    def finish(self):
+        if self.recorder.window is not None:
+            self.writer.submit(self.recorder.close_window(), complete=False)
+        self.writer.close()

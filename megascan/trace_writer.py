@@ -1,0 +1,96 @@
+"""The background thread that turns closed windows into lines of the rank's trace file.
+
+Resolving a window waits for its CUDA events on this thread only, never on the training thread.
+Each line is flushed and fsync'ed whole, so a run that dies keeps every window already written.
+When the open window makes no progress for ``STALL_SECONDS`` (a rank hung in a collective), the
+thread appends what the training thread has issued since, as ``issued`` lines: the evidence a
+hang leaves behind even if the run is killed. Format: docs/megascan_trace_format.md.
+"""
+
+import atexit
+import json
+import os
+import queue
+import threading
+import time
+
+import torch
+
+STALL_SECONDS = 5.0
+
+
+class TraceWriter:
+    def __init__(self, path, metadata, recorder, nvml_probe=None, device_index=None):
+        self.file = open(path, "x")  # exclusive: never write into a file this run did not create
+        self.recorder = recorder
+        self.nvml_probe = nvml_probe
+        self.device_index = device_index
+        self.queue = queue.Queue()
+        self.last_line_at = time.monotonic()
+        self.issued_reported = (None, 0)  # (window index, ops of it already written as issued)
+        self._write_line(metadata)
+        self.thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
+        self.thread.start()
+        atexit.register(self.close)  # a run that stops with an error still writes its closed windows
+
+    def submit(self, window, complete):
+        self.queue.put((window, complete))
+
+    def close(self):
+        if self.thread.is_alive():
+            self.queue.put(None)
+            self.thread.join()
+        if not self.file.closed:
+            self.file.close()
+
+    def _run(self):
+        if self.device_index is not None:
+            torch.cuda.set_device(self.device_index)
+        while True:
+            try:
+                item = self.queue.get(timeout=STALL_SECONDS)
+            except queue.Empty:
+                self._report_stalled_window()
+                continue
+            if item is None:
+                return
+            self._write_window(*item)
+
+    def _write_line(self, record):
+        self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.last_line_at = time.monotonic()
+
+    def _write_window(self, window, complete):
+        clock = self.recorder.timer.window_clock(window.base_mark)
+        to_us = clock.to_wall_us
+        events = [{"name": name, "cat": "compute", "iteration": iteration, "microbatch": microbatch,
+                   "chunk": chunk, "layer": layer, "start_us": round(to_us(start), 1),
+                   "end_us": round(to_us(end), 1)}
+                  for name, iteration, microbatch, chunk, layer, start, end in window.events]
+        ops = [{**record.issued_fields(), "start_us": round(to_us(record.start), 1),
+                "end_us": None if record.end is None else round(to_us(record.end), 1)}
+               for record in window.ops]
+        self._write_line({
+            "type": "window", "window": window.index, "iterations": window.traced, "complete": complete,
+            "clock": {"source": self.recorder.timer.source,
+                      "anchor_uncertainty_us": round(clock.uncertainty_us, 2)},
+            "groups": window.groups,
+            "nvml": self.nvml_probe.read() if self.nvml_probe else None,
+            "events": events, "ops": ops})
+        clock.release()
+
+    def _report_stalled_window(self):
+        window = self.recorder.window
+        if window is None or time.monotonic() - max(window.opened_at, self.last_line_at) < STALL_SECONDS:
+            return
+        index, reported = self.issued_reported
+        if index != window.index:
+            reported = 0
+        new_ops = window.ops[reported:]
+        self.issued_reported = (window.index, reported + len(new_ops))
+        self._write_line({
+            "type": "issued", "window": window.index, "iteration": self.recorder.context.iteration,
+            "groups": dict(window.groups),
+            "ops": [{**record.issued_fields(), "host_us": round(record.host_us, 1)} for record in new_ops]})
