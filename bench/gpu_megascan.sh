@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# MegaScan on two GPUs with GPT 345M bf16 (docs/benchmarks.md):
+#  1. tracing overhead side by side (bench/megascan_overhead.py) at the layouts in OVERHEAD (dp2 tp2 pp2);
+#  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
+#     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
+# Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with
+# `python tools/aggregate.py -b $RESULTS/detect_<case> -d`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpt345m_setup.sh
+for name in ${OVERHEAD-dp2 tp2 pp2}; do
+    timeout 240 torchrun --nproc_per_node 2 bench/megascan_overhead.py "${MODEL[@]}" ${LAYOUTS[$name]} \
+        --train-iters 1000 --trace --trace-dir "$RESULTS/overhead_trace_$name" --trace-interval 2 \
+        --continuous-trace-iterations 1 --bench-rounds "${ROUNDS:-15}" \
+        --bench-json "$RESULTS/megascan_overhead_$name.json" > "$RESULTS/megascan_overhead_$name.log" 2>&1
+    echo "overhead $name exit $?"; grep "megascan overhead" "$RESULTS/megascan_overhead_$name.log"
+done
+for case in ${DETECT-dp2:none dp2:1 tp2:1 pp2:0}; do
+    layout=${case%%:*} gpu=${case##*:} load_pid=
+    if [[ $gpu != none ]]; then
+        python3 scripts/gpu_load.py --gpu "$gpu" --size 8192 --duration 200 > "$RESULTS/load_$case.log" 2>&1 &
+        load_pid=$!
+        sleep 3
+    fi
+    timeout 200 torchrun --nproc_per_node 2 pretrain_gpt.py "${MODEL[@]}" ${LAYOUTS[$layout]} --train-iters 20 \
+        --trace --trace-dir "$RESULTS/detect_${layout}_load_$gpu" --trace-interval 5 \
+        --continuous-trace-iterations 2 > "$RESULTS/detect_${layout}_load_$gpu.log" 2>&1
+    echo "detect $case exit $?"; grep -E "iteration +20/" "$RESULTS/detect_${layout}_load_$gpu.log" | cut -c1-120
+    [[ -n $load_pid ]] && kill "$load_pid" && wait "$load_pid"
+done
