@@ -18,7 +18,7 @@ done
 for case in ${DETECT-dp2:none dp2:1 tp2:1 pp2:0}; do
     layout=${case%%:*} gpu=${case##*:} load_pid=
     if [[ $gpu != none ]]; then
-        python3 scripts/gpu_load.py --gpu "$gpu" --size 8192 --duration 200 > "$RESULTS/load_$case.log" 2>&1 &
+        python3 scripts/gpu_load.py --gpu "$gpu" --size 8192 --duration 200 > "$RESULTS/load_${layout}_$gpu.log" 2>&1 &
         load_pid=$!
         sleep 3
     fi
