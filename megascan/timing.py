@@ -72,7 +72,7 @@ class CudaWindowClock:
         self.timer = timer
         self.base = base_mark
         self.used = {id(base_mark): base_mark}
-        base_mark.synchronize()
+        _wait_for(base_mark)
         stream = torch.cuda.Stream(device=timer.device_index)
         best = None
         for _ in range(self.ANCHOR_TRIES):
@@ -90,13 +90,19 @@ class CudaWindowClock:
 
     def to_wall_us(self, mark):
         self.used[id(mark)] = mark
-        mark.synchronize()
+        _wait_for(mark)
         return self.anchor_wall_us + self.base.elapsed_time(mark) * 1000.0 - self.anchor_gpu_us
 
     def release(self):
         """Give this window's events back to the pool (each once, however many records shared it)."""
         self.timer.pool.extend(self.used.values())
         self.used = {}
+
+
+def _wait_for(event):
+    """Wait for a recorded event by polling: the training thread keeps the GIL meanwhile."""
+    while not event.query():
+        time.sleep(0.0002)
 
 
 def make_timer(args):

@@ -17,6 +17,21 @@ import time
 import torch
 
 STALL_SECONDS = 5.0
+ROWS_PER_TURN = 64
+
+
+def _encoded(rows):
+    """Rows as comma-separated JSON, giving the GIL back every ROWS_PER_TURN rows.
+
+    One json.dumps of a whole window would hold the GIL for milliseconds at a stretch, and the
+    training thread, which launches the GPU's work, would wait that long each time it needs it.
+    """
+    pieces = []
+    for count, row in enumerate(rows, 1):
+        pieces.append(json.dumps(row, separators=(",", ":")))
+        if count % ROWS_PER_TURN == 0:
+            time.sleep(0)
+    return ",".join(pieces)
 
 
 class TraceWriter:
@@ -57,7 +72,10 @@ class TraceWriter:
             self._write_window(*item)
 
     def _write_line(self, record):
-        self.file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._write_text(json.dumps(record, separators=(",", ":")) + "\n")
+
+    def _write_text(self, text):
+        self.file.write(text)
         self.file.flush()
         os.fsync(self.file.fileno())
         self.last_line_at = time.monotonic()
@@ -65,20 +83,20 @@ class TraceWriter:
     def _write_window(self, window, complete):
         clock = self.recorder.timer.window_clock(window.base_mark)
         to_us = clock.to_wall_us
-        events = [{"name": name, "cat": "compute", "iteration": iteration, "microbatch": microbatch,
-                   "chunk": chunk, "layer": layer, "start_us": round(to_us(start), 1),
-                   "end_us": round(to_us(end), 1)}
-                  for name, iteration, microbatch, chunk, layer, start, end in window.events]
-        ops = [{**record.issued_fields(), "start_us": round(to_us(record.start), 1),
-                "end_us": None if record.end is None else round(to_us(record.end), 1)}
-               for record in window.ops]
-        self._write_line({
+        events = _encoded((
+            {"name": name, "cat": "compute", "iteration": iteration, "microbatch": microbatch, "chunk": chunk,
+             "layer": layer, "start_us": round(to_us(start), 1), "end_us": round(to_us(end), 1)}
+            for name, iteration, microbatch, chunk, layer, start, end in window.events))
+        ops = _encoded((
+            {**record.issued_fields(), "start_us": round(to_us(record.start), 1),
+             "end_us": None if record.end is None else round(to_us(record.end), 1)}
+            for record in window.ops))
+        head = json.dumps({
             "type": "window", "window": window.index, "iterations": window.traced, "complete": complete,
-            "clock": {"source": self.recorder.timer.source,
-                      "anchor_uncertainty_us": round(clock.uncertainty_us, 2)},
-            "groups": window.groups,
-            "nvml": self.nvml_probe.read() if self.nvml_probe else None,
-            "events": events, "ops": ops})
+            "clock": {"source": self.recorder.timer.source, "anchor_uncertainty_us": round(clock.uncertainty_us, 2)},
+            "groups": window.groups, "nvml": self.nvml_probe.read() if self.nvml_probe else None},
+            separators=(",", ":"))
+        self._write_text(f'{head[:-1]},"events":[{events}],"ops":[{ops}]}}\n')
         clock.release()
 
     def _report_stalled_window(self):
