@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -26,13 +27,14 @@ def _fail(message):
 
 def _parse(argv):
     parser = argparse.ArgumentParser(prog="gpu_load.py", description=__doc__.split("\n\n")[0])
+    parser.error = _fail  # one line, not argparse's usage block: launch scripts log it
     parser.add_argument("--gpu", type=int, required=True)
     parser.add_argument("--size", type=int, default=8192, help="matrix side")
     parser.add_argument("--duty", type=float, default=1.0, help="busy fraction of each period, (0, 1]")
     parser.add_argument("--period-ms", type=float, default=100.0)
     parser.add_argument("--duration", type=float, default=None, help="seconds (default: until stopped)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--pid-file", default=None)
+    parser.add_argument("--pid-file", default=None, help="write this process's PID here while it runs")
     args = parser.parse_args(argv)
     if args.size < 1:
         _fail(f"--size must be at least 1, got {args.size}")
@@ -42,6 +44,8 @@ def _parse(argv):
         _fail(f"--period-ms must be positive, got {args.period_ms}")
     if args.duration is not None and args.duration <= 0:
         _fail(f"--duration must be positive, got {args.duration}")
+    if args.pid_file and not os.path.isdir(os.path.dirname(os.path.abspath(args.pid_file))):
+        _fail(f"--pid-file {args.pid_file}: its directory does not exist")
     if not torch.cuda.is_available():
         _fail("no CUDA device: gpu_load.py needs a GPU")
     if not 0 <= args.gpu < torch.cuda.device_count():
@@ -50,41 +54,55 @@ def _parse(argv):
 
 
 def _write_pid_file(path):
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)))
+    """Rename into place, so a launch script never reads a half-written PID."""
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".gpu_load-")
     with os.fdopen(handle, "w") as f:
         f.write(f"{os.getpid()}\n")
+    os.chmod(temporary, 0o644)
     os.replace(temporary, path)
+
+
+def _run(args, stop):
+    """GEMMs for duty x period, then idle for the rest of the period; returns (GEMMs, seconds)."""
+    device = torch.device("cuda", args.gpu)
+    try:
+        a = torch.randn(args.size, args.size, device=device, dtype=DTYPES[args.dtype])
+        b, c = torch.randn_like(a), torch.empty_like(a)
+    except torch.cuda.OutOfMemoryError:
+        _fail(f"--size {args.size} does not fit in GPU {args.gpu}'s free memory")
+    print(f"gpu_load: {args.size}x{args.size} {args.dtype} GEMMs on GPU {args.gpu} "
+          f"({torch.cuda.get_device_name(device)}), duty {args.duty}, period {args.period_ms} ms, "
+          f"duration {'until stopped' if args.duration is None else f'{args.duration} s'}", flush=True)
+    period = args.period_ms / 1000
+    started = time.perf_counter()
+    deadline = float("inf") if args.duration is None else started + args.duration
+    gemms = 0
+    while not stop.is_set() and time.perf_counter() < deadline:
+        period_start = time.perf_counter()
+        busy_until = min(period_start + args.duty * period, deadline)
+        while time.perf_counter() < busy_until and not stop.is_set():
+            torch.mm(a, b, out=c)
+            gemms += 1
+            torch.cuda.synchronize(device)  # the duty is real GPU time, not queued work
+        # A signal wakes this wait at once, so a long period does not delay stopping.
+        stop.wait(max(0.0, min(period_start + period, deadline) - time.perf_counter()))
+    return gemms, time.perf_counter() - started
 
 
 def main(argv=None):
     args = _parse(argv)
-    stop = []
+    stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.append(True))
+        signal.signal(signum, lambda *_: stop.set())
     if args.pid_file:
         _write_pid_file(args.pid_file)
-    device = torch.device("cuda", args.gpu)
-    a = torch.randn(args.size, args.size, device=device, dtype=DTYPES[args.dtype])
-    b = torch.randn_like(a)
-    print(f"gpu_load: GEMMs of {args.size}x{args.size} {args.dtype} on GPU {args.gpu} "
-          f"({torch.cuda.get_device_name(device)}), duty {args.duty}, period {args.period_ms} ms", flush=True)
-    period = args.period_ms / 1000
-    started = time.perf_counter()
-    gemms = 0
     try:
-        while not stop and (args.duration is None or time.perf_counter() - started < args.duration):
-            period_start = time.perf_counter()
-            while time.perf_counter() - period_start < args.duty * period and not stop:
-                torch.mm(a, b)
-                gemms += 1
-                torch.cuda.synchronize(device)  # the duty is real GPU time, not queued work
-            time.sleep(max(0.0, period - (time.perf_counter() - period_start)))
+        gemms, seconds = _run(args, stop)
     finally:
         if args.pid_file and os.path.exists(args.pid_file):
             os.remove(args.pid_file)
-    seconds = time.perf_counter() - started
-    print(f"gpu_load: {gemms} GEMMs in {seconds:.1f} s, {2 * args.size ** 3 * gemms / seconds / 1e12:.1f} TFLOP/s",
-          flush=True)
+    print(f"gpu_load: {gemms} GEMMs in {seconds:.1f} s, "
+          f"{2 * args.size ** 3 * gemms / max(seconds, 1e-9) / 1e12:.1f} TFLOP/s on average", flush=True)
 
 
 if __name__ == "__main__":
