@@ -130,7 +130,10 @@ class CommTracer:
             if name in self.coalescing:
                 self.coalescing[name].append(record)
                 return work
-            return TracedWork(work, [record], recorder) if work is not None else work
+            if work is None:  # the backend completed it in stream order already (NCCL, async_op=False)
+                recorder.end_ops([record])
+                return work
+            return TracedWork(work, [record], recorder)
 
         return traced
 
