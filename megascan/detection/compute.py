@@ -4,22 +4,20 @@ Two ranks run identical operations when they hold the same part of the model: ev
 layer's attention (or MLP) forward (or backward) is the same computation on every rank of a
 uniform layout, and a microbatch's forward/backward is the same on ranks of the same pipeline
 stage and chunk. Time spent waiting in tensor-parallel collectives inside an event is taken out
-(a victim waits there for its slow peer), leaving the rank's own compute. Each sample is divided
-by the median of its operation over all ranks; a rank's slowness is the median of its ratios,
-and its z-score is that excess over the spread of the other ranks' ratios, with the standard
-error shrinking with the number of samples.
+(a victim waits there for its slow peer), leaving the rank's own compute. A GPU shared with
+another job is not slower at every kernel: it loses whole time slices now and then, so the
+comparison is of total time, not of the typical sample. A rank's ratio is its own compute over
+what the other ranks typically take for the same operations (the median of their means).
 """
 
-import math
 from collections import defaultdict
 
 import numpy as np
 
-from megascan.detection.robust import MAD_TO_SIGMA, mad, median, overlap
+from megascan.detection.robust import median, overlap
 
 LAYER_EVENTS = ("attention-forward", "attention-backward", "mlp-forward", "mlp-backward")
 MICROBATCH_EVENTS = ("forward", "backward")
-MIN_RATIO_SPREAD = 0.02  # ratios of healthy ranks never agree better than this: floor the spread
 
 
 def _tp_waits_by_rank(merged):
@@ -49,7 +47,7 @@ def _operation_key(event, coords):
 
 
 def compute_slowness(merged):
-    """rank -> {"ratio", "z", "samples", "operations"} for ranks with comparable operations."""
+    """rank -> {"ratio", "others_ratio", "samples"} for ranks with operations to compare."""
     waits = _tp_waits_by_rank(merged)
     samples = defaultdict(lambda: defaultdict(list))  # key -> rank -> own compute durations
     has_layers = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
@@ -60,20 +58,17 @@ def compute_slowness(merged):
             if key is None or (has_layers and event["name"] in MICROBATCH_EVENTS):
                 continue  # with layer events, those are the finer, uniform comparison
             samples[key][rank].append(_own_compute(event, rank_waits))
-    ratios = defaultdict(list)
+    actual, expected, counts = defaultdict(float), defaultdict(float), defaultdict(int)
     for per_rank in samples.values():
         if len(per_rank) < 2:
             continue
-        reference = median(np.concatenate([np.asarray(v) for v in per_rank.values()]))
-        if reference <= 0:
-            continue
+        means = {rank: np.mean(durations) for rank, durations in per_rank.items()}
         for rank, durations in per_rank.items():
-            ratios[rank].extend(d / reference for d in durations)
-    result = {}
-    for rank, own in ratios.items():
-        others = np.concatenate([np.asarray(v) for r, v in ratios.items() if r != rank] or [np.ones(1)])
-        spread = max(MAD_TO_SIGMA * mad(others), MIN_RATIO_SPREAD)
-        ratio = median(own)
-        z = (ratio - median(others)) / (1.2533 * spread / math.sqrt(len(own)))  # std. error of a median
-        result[rank] = {"ratio": ratio, "others_ratio": median(others), "z": z, "samples": len(own)}
-    return result
+            typical = median([mean for other, mean in means.items() if other != rank])
+            actual[rank] += sum(durations)
+            expected[rank] += typical * len(durations)
+            counts[rank] += len(durations)
+    ratios = {rank: actual[rank] / expected[rank] for rank in actual if expected[rank] > 0}
+    return {rank: {"ratio": ratio, "others_ratio": median([r for other, r in ratios.items() if other != rank]),
+                   "samples": counts[rank]}
+            for rank, ratio in ratios.items()}

@@ -1,0 +1,166 @@
+"""How tools/aggregate.py scales with the number of rank files: seconds and peak memory of
+``load_and_merge`` and of writing the Chrome trace, per world size.
+
+    python bench/aggregate_scale.py                      # synthetic runs of 64, 256 and 1024 ranks
+    python bench/aggregate_scale.py --ranks 64 1024 --json scale.json
+    python bench/aggregate_scale.py --from TRACE_DIR     # a real run's directory, its DP replicas copied
+
+Synthetic runs (tests/synthetic_traces.py) are DP x PP2 x TP2 with a 4-layer model, 4 microbatches and
+two traced iterations: per rank and iteration 32 tensor-parallel all-reduces, 8 pipeline sends/recvs
+and the gradient, embedding and grad-norm all-reduces, ranks' clocks apart by up to 0.5 ms and
+20 ppm. ``--from`` replicates a real directory's data-parallel replicas until N ranks, renumbering
+ranks and process groups as a larger DP would have them. Each N is measured in a fresh process, so
+that the peak RSS is that N's own. Linear scaling shows as a constant time and memory per rank.
+"""
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+
+from megascan.aggregate.chrome_trace import write_chrome_trace  # noqa: E402
+from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory  # noqa: E402
+from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
+from synthetic_traces import read_lines, write_lines, write_run  # noqa: E402
+
+SYNTHETIC_PP, SYNTHETIC_TP = 2, 2
+
+
+def synthetic_directory(directory, ranks):
+    dp = ranks // (SYNTHETIC_PP * SYNTHETIC_TP)
+    rng = random.Random(ranks)
+    clocks = {r: (1.0 + rng.uniform(-20e-6, 20e-6), rng.uniform(-500.0, 500.0)) for r in range(1, ranks)}
+    write_run(directory, dp=dp, pp=SYNTHETIC_PP, tp=SYNTHETIC_TP, layers=4, microbatches=4, windows=((4, 5),),
+              clocks=clocks)
+
+
+class _Replicator:
+    """Maps a real run's ranks and groups to a run with more data-parallel replicas.
+
+    Rank (dp, pp, tp) of the larger run copies rank (dp mod DP, pp, tp) of the real one. A group whose
+    members all sit in one replica is copied per replica (new id per replica); a group that spans
+    replicas (data-parallel, world) becomes one group over all replicas of its (pp, tp) positions.
+    Sequence numbers stay valid: every copy of a rank issues what its original issued."""
+
+    def __init__(self, files, new_dp):
+        first = next(iter(files.values())).metadata
+        self.layout = dict(first["layout"], dp=new_dp)
+        self.dp, self.new_dp = first["layout"]["dp"], new_dp
+        self.coords = {rank: f.metadata["coords"] for rank, f in files.items()}
+        self.at = {(c["dp"], c["pp"], c["tp"]): rank for rank, c in self.coords.items()}
+        self.tp, self.pp = self.layout["tp"], self.layout["pp"]
+
+    def new_rank(self, dp, pp, tp):
+        return tp + self.tp * (dp + self.new_dp * pp)
+
+    def rank_in_replica(self, old_rank, replica):
+        c = self.coords[old_rank]
+        return self.new_rank(replica, c["pp"], c["tp"])
+
+    def group(self, group_id, group, replica):
+        members = group["ranks"]
+        if len({self.coords[r]["dp"] for r in members}) == 1:
+            return f"{group_id}.{replica}", {"ranks": [self.rank_in_replica(r, replica) for r in members],
+                                             "role": group["role"]}
+        positions = sorted({(self.coords[r]["pp"], self.coords[r]["tp"]) for r in members})
+        ranks = sorted(self.new_rank(d, pp, tp) for pp, tp in positions for d in range(self.new_dp))
+        return f"{group_id}.all", {"ranks": ranks, "role": group["role"]}
+
+    def line(self, line, replica):
+        if line["type"] == "metadata":
+            return line
+        groups = {gid: self.group(gid, g, replica) for gid, g in line["groups"].items()}
+        ops = [dict(op, group=groups[op["group"]][0],
+                    peer=None if op["peer"] is None else self.rank_in_replica(op["peer"], replica))
+               for op in line["ops"]]
+        return dict(line, groups=dict(groups.values()), ops=ops)
+
+
+def replicated_directory(source, directory, ranks):
+    loaded = load_directory(source)
+    files = loaded.files
+    per_replica = loaded.layout["pp"] * loaded.layout["tp"]
+    if ranks % per_replica:
+        raise SystemExit(f"--ranks {ranks} is not a multiple of PP x TP = {per_replica} of {source}")
+    replicator = _Replicator(files, ranks // per_replica)
+    os.makedirs(directory, exist_ok=True)
+    for replica in range(replicator.new_dp):
+        for (dp, pp, tp), old_rank in replicator.at.items():
+            if dp != replica % replicator.dp:
+                continue
+            metadata, *lines = read_lines(files[old_rank].path)
+            coords = {"dp": replica, "pp": pp, "tp": tp}
+            metadata = dict(metadata, rank=replicator.new_rank(replica, pp, tp), world_size=ranks, coords=coords,
+                            layout=replicator.layout)
+            write_lines(os.path.join(directory, TRACE_FILE_TEMPLATE.format(**coords)),
+                        [metadata] + [replicator.line(line, replica) for line in lines])
+
+
+def measure(directory):
+    """One N, in this process: seconds of each step, the peak RSS and how much of it the data added."""
+    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # interpreter, numpy, torch
+    started = time.perf_counter()
+    merged = load_and_merge(directory)
+    merged_at = time.perf_counter()
+    output = os.path.join(directory, "benchmark.json")
+    write_chrome_trace(merged, output)
+    written_at = time.perf_counter()
+    return {"ranks": len(merged.ranks), "instances": len(merged.instances),
+            "records": sum(len(i.records) for i in merged.instances),
+            "events": sum(len(t.events) for t in merged.ranks.values()),
+            "unaligned": len(merged.unaligned), "problems": merged.problems,
+            "max_residual_us": max((t.clock.residual_us for t in merged.ranks.values()), default=0.0),
+            "load_and_merge_s": merged_at - started, "chrome_trace_s": written_at - merged_at,
+            "total_s": written_at - started, "chrome_trace_mb": os.path.getsize(output) / 1e6,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_rss_mb": baseline_mb}
+
+
+def _measure_in_child(directory):
+    result = subprocess.run([sys.executable, __file__, "--measure", directory], capture_output=True, text=True,
+                            check=True)
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--from", dest="source", metavar="TRACE_DIR", help="replicate this real run's directory")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    parser.add_argument("--measure", metavar="DIR", help=argparse.SUPPRESS)  # the child process's job
+    args = parser.parse_args()
+    if args.measure:
+        print(json.dumps(measure(args.measure)))
+        return
+    rows = []
+    for ranks in args.ranks:
+        with tempfile.TemporaryDirectory(prefix=f"megascan-scale-{ranks}-") as directory:
+            if args.source:
+                replicated_directory(args.source, directory, ranks)
+            else:
+                synthetic_directory(directory, ranks)
+            rows.append(_measure_in_child(directory))
+    print(f"{'ranks':>6} {'instances':>9} {'records':>8} {'merge s':>8} {'chrome s':>8} {'total s':>8} "
+          f"{'ms/rank':>8} {'peak RSS MB':>11} {'added MB':>8} {'KB/rank':>8} {'trace MB':>8} {'resid us':>8}")
+    for row in rows:
+        added = row["peak_rss_mb"] - row["baseline_rss_mb"]
+        print(f"{row['ranks']:>6} {row['instances']:>9} {row['records']:>8} {row['load_and_merge_s']:>8.2f} "
+              f"{row['chrome_trace_s']:>8.2f} {row['total_s']:>8.2f} {1e3 * row['total_s'] / row['ranks']:>8.2f} "
+              f"{row['peak_rss_mb']:>11.0f} {added:>8.0f} {1024 * added / row['ranks']:>8.0f} "
+              f"{row['chrome_trace_mb']:>8.1f} {row['max_residual_us']:>8.2f}")
+        for problem in row["problems"]:
+            print(f"  {row['ranks']} ranks: {problem}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(rows, out, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""``python tools/aggregate.py -b TRACE_DIR``: merge a run's per-rank MegaScan traces into one
+clock-aligned Chrome trace, optionally an SQLite database, and with ``-d`` find the slow or hung rank.
+
+Bad input stops the tool before any work with one line naming the flag and what to do (exit 2):
+a mistyped directory should cost seconds, not a merge. Flags and outputs: docs/megascan_aggregate.md.
+"""
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import sys
+import time
+
+from megascan.aggregate.atomic_file import replaced_on_success
+from megascan.aggregate.chrome_trace import write_chrome_trace
+from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
+from megascan.aggregate.merged_trace import load_and_merge
+from megascan.aggregate.sqlite_export import write_sqlite
+
+PROG = "tools/aggregate.py"
+DEFAULT_OUTPUT = "benchmark.json"
+
+
+class UsageError(Exception):
+    def __init__(self, flag, message):
+        super().__init__(f"{flag}: {message}")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message} (see --help)\n")
+
+
+def build_parser():
+    parser = _OneLineParser(prog=PROG, description="Merge the per-rank MegaScan trace files of one run into one "
+                            "clock-aligned Chrome/Perfetto trace.")
+    parser.add_argument("-b", "--benchmark", "--bench-dir", "--benchmark_dir", dest="directory", required=True,
+                        metavar="DIR", help="the run's --trace-dir (holds benchmark-data-*.json)")
+    parser.add_argument("-o", "--output", metavar="PATH",
+                        help=f"merged Chrome trace JSON (default: DIR/{DEFAULT_OUTPUT})")
+    parser.add_argument("-d", "--detect", action="store_true",
+                        help="find the slow GPU, slow link or hung rank and print the report")
+    parser.add_argument("--report-json", metavar="PATH", help="also write the detection report as JSON (implies -d)")
+    parser.add_argument("--sqlite", metavar="PATH", help="also write tables ranks, events, ops to an SQLite file")
+    return parser
+
+
+def _check_output(flag, path):
+    directory = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise UsageError(flag, f"{path} is a directory; give a file name")
+    if TRACE_FILE.match(os.path.basename(path)):
+        raise UsageError(flag, f"{path} is named like a per-rank trace file; choose another name "
+                               f"(trace files are never overwritten)")
+    if not os.path.isdir(directory):
+        raise UsageError(flag, f"cannot write {path}: directory {directory} does not exist; create it or "
+                               f"choose another path")
+    if not os.access(directory, os.W_OK):
+        raise UsageError(flag, f"cannot write {path}: directory {directory} is not writable; choose another path")
+
+
+def _write(flag, path, writer, *args):
+    try:
+        writer(*args, path)
+    except OSError as error:
+        raise UsageError(flag, f"cannot write {path}: {error.strerror or error}; choose a writable path") from None
+
+
+def _load_detect():
+    try:
+        return importlib.import_module("megascan.detection").detect
+    except ModuleNotFoundError as error:
+        if error.name != "megascan.detection":
+            raise
+        raise UsageError("-d/--detect", "megascan.detection is not in this installation; run without -d") from None
+
+
+def _write_report(report, path):
+    with replaced_on_success(path) as temporary, open(temporary, "w") as out:
+        json.dump(report.to_json(), out, indent=1)
+        out.write("\n")
+
+
+def _residual_line(merged):
+    residuals = {rank: t.clock.residual_us for rank, t in merged.ranks.items() if t.clock.collectives}
+    if not residuals:
+        return f"alignment: only rank {merged.reference_rank} merged, so its clock is the reference (nothing to align)"
+    worst = max(residuals, key=residuals.get)
+    drift = max(abs(t.clock.drift_ppm) for t in merged.ranks.values())
+    return (f"alignment residual per rank: max {residuals[worst]:.2f} us (rank {worst}), median "
+            f"{statistics.median(residuals.values()):.2f} us; largest drift {drift:.1f} ppm; "
+            f"reference clock: rank {merged.reference_rank}")
+
+
+def summary(merged, outputs, seconds):
+    layout = merged.layout
+    windows = sorted({w for t in merged.ranks.values() for w in t.windows})
+    iterations = sorted({i for t in merged.ranks.values() for i in t.iterations})
+    collectives = sum(1 for i in merged.instances if i.kind == "collective")
+    incomplete = sum(1 for i in merged.instances if i.missing)
+    unaligned = f"not merged: {describe(sorted(merged.unaligned), 'rank')}" if merged.unaligned else "all aligned"
+    lines = [f"MegaScan aggregate: run {merged.run_id}, DP{layout['dp']} x PP{layout['pp']} x TP{layout['tp']}",
+             f"  ranks: {len(merged.ranks)} merged of {len(merged.ranks) + len(merged.unaligned)} loaded ({unaligned})",
+             f"  {describe(windows, 'window')}; traced {describe(iterations, 'iteration')}",
+             f"  instances matched: {len(merged.instances)} ({collectives} collective, "
+             f"{len(merged.instances) - collectives} p2p); {incomplete} with members that never issued them",
+             f"  {_residual_line(merged)}",
+             f"  problems: {len(merged.problems)}{' (warnings above)' if merged.problems else ''}"]
+    lines += [f"  {label}: {path}" for label, path in outputs]
+    lines.append(f"  done in {seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def run(args):
+    started = time.perf_counter()
+    if not os.path.isdir(args.directory):
+        raise UsageError("-b/--benchmark", f"{args.directory} is not a directory; pass the run's --trace-dir")
+    output = args.output or os.path.join(args.directory, DEFAULT_OUTPUT)
+    for flag, path in (("-o/--output", output), ("--report-json", args.report_json), ("--sqlite", args.sqlite)):
+        if path:
+            _check_output(flag, path)
+    detect = _load_detect() if args.detect or args.report_json else None
+    try:
+        merged = load_and_merge(args.directory)
+    except TraceDirectoryError as error:
+        raise UsageError("-b/--benchmark", str(error)) from None
+    for problem in merged.problems:
+        print(f"warning: {problem}", file=sys.stderr)
+    _write("-o/--output", output, write_chrome_trace, merged)
+    outputs = [("Chrome trace (open in ui.perfetto.dev or chrome://tracing)", output)]
+    if args.sqlite:
+        _write("--sqlite", args.sqlite, write_sqlite, merged)
+        outputs.append(("SQLite", args.sqlite))
+    report = detect(merged) if detect else None
+    if args.report_json:
+        _write("--report-json", args.report_json, _write_report, report)
+        outputs.append(("detection report JSON", args.report_json))
+    print(summary(merged, outputs, time.perf_counter() - started))
+    if report is not None:
+        print(report.to_text())
+    return 0
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
