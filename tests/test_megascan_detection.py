@@ -1,0 +1,73 @@
+"""MegaScan end to end on CPU: traced runs with one rank slowed (or stopped) by the fault-injection
+flags, aggregated and analysed: the report names exactly that rank first, and nobody in a healthy run."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from launch import REPO, TINY_GPT, child_env, gpt_data_args, torchrun_command
+from megascan.aggregate import load_and_merge
+from megascan.detection import detect
+from megascan_runs import LAYOUTS, traced_run
+
+SLOW = {  # name: (layout, slowed rank): a TP peer, a DP replica, a pipeline stage
+    "tp peer": ("TP2xPP2", 1),
+    "dp replica": ("DP2xTP2", 2),
+    "pp stage": ("DP2xPP2", 3),
+}
+
+
+@pytest.mark.parametrize("name", SLOW)
+def test_slowed_rank_is_named_first_and_alone(gpt_data, tmp_path, name):
+    layout, rank = SLOW[name]
+    traced_run(gpt_data, tmp_path, layout, extra=["--inject-slowdown-rank", str(rank),
+                                                  "--inject-slowdown-factor", "4"])
+    report = detect(load_and_merge(tmp_path))
+    assert [s.rank for s in report.suspects] == [rank], report.to_text()
+    assert report.suspects[0].kind == "slow_rank"
+
+
+def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
+    traced_run(gpt_data, tmp_path / "trace", "DP2xTP2xPP2")
+    merged = load_and_merge(tmp_path / "trace")
+    assert len(merged.ranks) == 8 and not merged.unaligned
+    assert all(not i.missing and len(i.records) == len(i.participants) for i in merged.instances)
+    assert {i.kind for i in merged.instances} == {"collective", "p2p"}
+    assert detect(merged).suspects == []
+    result = subprocess.run([os.sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(tmp_path / "trace"),
+                             "-o", str(tmp_path / "merged.json"), "-d"], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0 and "no suspect" in result.stdout, result.stdout + result.stderr
+    chrome = json.loads((tmp_path / "merged.json").read_text())
+    events = chrome["traceEvents"] if isinstance(chrome, dict) else chrome
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    assert {"DP1-PP1-TP1"} <= {n.split(" ")[0] for n in names}
+    starts = {e["id"] for e in events if e.get("ph") == "s"}
+    assert starts and starts == {e["id"] for e in events if e.get("ph") == "f"}
+
+
+def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path):
+    """Rank 1 freezes in the second trace window; its peers block, their writers report what they
+    issued, the job is killed, and the partial traces name rank 1."""
+    processes, flags = LAYOUTS["TP2xPP2"]
+    args = (TINY_GPT + gpt_data_args(gpt_data) + flags +
+            ["--train-iters", "6", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "3",
+             "--inject-hang-rank", "1", "--inject-hang-iteration", "6"])
+    job = subprocess.Popen(torchrun_command(processes, "pretrain_gpt.py", args), cwd=REPO, env=child_env(),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:  # the three blocked peers write "issued" lines once stalled
+            reported = [f for f in tmp_path.glob("benchmark-data-*.json") if '"type":"issued"' in f.read_text()]
+            if len(reported) == 3:
+                break
+            time.sleep(1)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait()
+    report = detect(load_and_merge(tmp_path))
+    assert [(s.rank, s.kind) for s in report.suspects] == [(1, "hang")], report.to_text()
+    assert "never reached" in report.suspects[0].evidence[0]
