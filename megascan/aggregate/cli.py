@@ -6,7 +6,6 @@ a mistyped directory should cost seconds, not a merge. Flags and outputs: docs/m
 """
 
 import argparse
-import importlib
 import json
 import os
 import statistics
@@ -18,6 +17,7 @@ from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
+from megascan.detection import detect
 
 PROG = "tools/aggregate.py"
 DEFAULT_OUTPUT = "benchmark.json"
@@ -68,15 +68,6 @@ def _write(flag, path, writer, *args):
         raise UsageError(flag, f"cannot write {path}: {error.strerror or error}; choose a writable path") from None
 
 
-def _load_detect():
-    try:
-        return importlib.import_module("megascan.detection").detect
-    except ModuleNotFoundError as error:
-        if error.name != "megascan.detection":
-            raise
-        raise UsageError("-d/--detect", "megascan.detection is not in this installation; run without -d") from None
-
-
 def _write_report(report, path):
     with replaced_on_success(path) as temporary, open(temporary, "w") as out:
         json.dump(report.to_json(), out, indent=1)
@@ -121,7 +112,6 @@ def run(args):
     for flag, path in (("-o/--output", output), ("--report-json", args.report_json), ("--sqlite", args.sqlite)):
         if path:
             _check_output(flag, path)
-    detect = _load_detect() if args.detect or args.report_json else None
     try:
         merged = load_and_merge(args.directory)
     except TraceDirectoryError as error:
@@ -133,7 +123,7 @@ def run(args):
     if args.sqlite:
         _write("--sqlite", args.sqlite, write_sqlite, merged)
         outputs.append(("SQLite", args.sqlite))
-    report = detect(merged) if detect else None
+    report = detect(merged) if args.detect or args.report_json else None
     if args.report_json:
         _write("--report-json", args.report_json, _write_report, report)
         outputs.append(("detection report JSON", args.report_json))
