@@ -49,13 +49,14 @@ def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
     assert starts and starts == {e["id"] for e in events if e.get("ph") == "f"}
 
 
-def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path):
-    """Rank 1 freezes in the second trace window; its peers block, their writers report what they
+@pytest.mark.parametrize("iteration", [3, 6])  # in the first trace window (nothing to align on), the second
+def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
+    """Rank 1 freezes inside a trace window; its peers block, their writers report what they
     issued, the job is killed, and the partial traces name rank 1."""
     processes, flags = LAYOUTS["TP2xPP2"]
     args = (TINY_GPT + gpt_data_args(gpt_data) + flags +
             ["--train-iters", "6", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "3",
-             "--inject-hang-rank", "1", "--inject-hang-iteration", "6"])
+             "--inject-hang-rank", "1", "--inject-hang-iteration", str(iteration)])
     job = subprocess.Popen(torchrun_command(processes, "pretrain_gpt.py", args), cwd=REPO, env=child_env(),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

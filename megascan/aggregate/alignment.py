@@ -107,6 +107,10 @@ def align_ranks(instances, ranks, problems):
     """Alignment of ``ranks`` (clocks map a rank's wall-clock microseconds to the reference rank's);
     says in ``problems`` when the refinement was rejected."""
     finishes = _alignment_input(instances)
+    if not finishes and len(ranks) > 1:
+        problems.append("no collective was finished by all its members (did the run stop in its first trace "
+                        "window?): wall clocks used as they are, exact on one host, not across hosts")
+        return Alignment(min(ranks), _wall_clocks(ranks, finishes), {})
     reference = _reference_rank(ranks, finishes)
     # Fit on times relative to the earliest finish: drift multiplies time, and microseconds since 1970
     # would make a ppm of drift look like hours of offset to the fit's convergence test.

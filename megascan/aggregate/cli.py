@@ -76,6 +76,8 @@ def _write_report(report, path):
 
 def _residual_line(merged):
     residuals = {rank: t.clock.residual_us for rank, t in merged.ranks.items() if t.clock.collectives}
+    if not residuals and len(merged.ranks) > 1:
+        return "alignment: no collective to align on, wall clocks used as they are"
     if not residuals:
         return f"alignment: only rank {merged.reference_rank} merged, so its clock is the reference (nothing to align)"
     worst = max(residuals, key=residuals.get)

@@ -70,7 +70,8 @@ def detect(merged):
         suspects.append(Suspect(hang["rank"], trace.coords, trace.host, trace.device_index, "hang",
                                 100.0 + len(hang["waiting_ranks"]), [
             f"never reached {hang['operation']} (iteration {hang['iteration']}), which ranks "
-            f"{hang['entered_by']} entered", f"ranks waiting on it: {hang['waiting_ranks']}"]))
+            f"{hang['entered_by']} entered", f"ranks waiting on it: {hang['waiting_ranks']}",
+            f"the last operation it recorded: {hang['last_recorded'] or 'none in the traced windows'}"]))
     hung = {suspect.rank for suspect in suspects}
     for rank, trace in merged.ranks.items():
         score, evidence = _slow_rank_evidence(rank, trace, compute, waits)
