@@ -9,7 +9,8 @@ from collections import defaultdict
 
 from megascan.detection.robust import median
 
-SLOW_LINK_FRACTION = 0.5  # a link under half the median link's bandwidth is slow
+SLOW_LINK_FRACTION = 0.25  # a link under a quarter of the median link's bandwidth is slow (a degraded
+# link, e.g. PCIe instead of NVLink, is 10x off; healthy links of an oversubscribed host scatter 2x)
 MIN_LINKS_TO_COMPARE = 3
 
 
