@@ -10,8 +10,8 @@ cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
 for name in ${OVERHEAD-dp2 tp2 pp2}; do
     timeout 240 torchrun --nproc_per_node 2 bench/megascan_overhead.py "${MODEL[@]}" ${LAYOUTS[$name]} \
-        --train-iters 1000 --trace --trace-dir "$RESULTS/overhead_trace_$name" --trace-interval 2 \
-        --continuous-trace-iterations 1 --bench-rounds "${ROUNDS:-15}" \
+        --train-iters 1000 --trace --trace-dir "$RESULTS/overhead_trace_$name" --trace-interval 5 \
+        --continuous-trace-iterations 2 --bench-rounds "${ROUNDS:-10}" \
         --bench-json "$RESULTS/megascan_overhead_$name.json" > "$RESULTS/megascan_overhead_$name.log" 2>&1
     echo "overhead $name exit $?"; grep "megascan overhead" "$RESULTS/megascan_overhead_$name.log"
 done

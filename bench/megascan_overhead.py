@@ -1,25 +1,25 @@
-"""Cost of MegaScan tracing, side by side in one run: iterations untraced, traced at ``base`` and
-traced at ``full``, against iterations of the same job with tracing off.
+"""Cost of MegaScan tracing, side by side in one run: whole trace intervals with tracing off, at
+granularity ``base`` and at ``full``.
 
-One process group, one model. Each round runs one iteration in each of four modes, in a rotating
-order, every iteration timed between a device synchronize and a barrier:
-  off     the MegaScan plugin has no session: what a run without --trace does
-  idle    --trace is on but this iteration is outside a trace window
-  base    traced at granularity base
-  full    traced at granularity full (adds every layer's attention and MLP)
-The figure per mode is the median over rounds of mode / off - 1. Traced iterations really are
-traced: their windows are written to --trace-dir by the background writer as in a real run.
+One process group, one model. Each round runs one interval of --trace-interval iterations per
+mode, in a rotating order; in a traced interval the last --continuous-trace-iterations iterations
+are traced exactly as in a real run. Every iteration is timed between a device synchronize and a
+barrier, and after a traced interval the time until the background writer has written its window
+is added to it (an upper bound: in a real run that work overlaps the next, untraced iterations).
+The figures per mode: the median over rounds of interval / off interval - 1 (the cost of tracing
+averaged over the interval), and the same for the traced iterations alone and for the untraced
+iterations of traced intervals (which must cost nothing).
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
-        --trace-dir DIR --trace-interval 2 --continuous-trace-iterations 1 \
-        [--bench-rounds 20] [--bench-json out.json]
-
+        --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
+        [--bench-rounds 10] [--bench-json out.json]
 """
 
 import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -30,21 +30,22 @@ import megascan  # noqa: E402
 import pretrain_gpt  # noqa: E402
 from loop_overhead import _synchronized_seconds  # noqa: E402
 from megascan.compute_tracer import LayerTracer  # noqa: E402
+from megascan.session import is_traced  # noqa: E402
 from megatron.training.errors import exit_on_user_error  # noqa: E402
 from megatron.training.initialize import shutdown  # noqa: E402
 from megatron.training.training import setup_job  # noqa: E402
 
-MODES = ("off", "idle", "base", "full")
+MODES = ("off", "base", "full")
 
 
 def _bench_args(parser):
     group = parser.add_argument_group("benchmark")
-    group.add_argument("--bench-rounds", type=int, default=20, help="iterations per mode")
+    group.add_argument("--bench-rounds", type=int, default=10, help="intervals per mode")
     group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
 
 
-class ModeRunner:
-    """Runs one training iteration in a given mode through the loop's own hooks."""
+class IntervalRunner:
+    """Runs one trace interval in a given mode through the training loop's own hooks."""
 
     def __init__(self, job):
         self.job = job
@@ -54,18 +55,33 @@ class ModeRunner:
         self.base_tracers = [t for t in self.all_tracers if not isinstance(t, LayerTracer)]
         self.iteration = 0
 
-    def run(self, mode):
-        # With --trace-interval 2 --continuous-trace-iterations 1, even iterations are traced.
-        self.iteration += 1
-        if (self.iteration % 2 == 0) != (mode in ("base", "full")):
-            self.iteration += 1
-        self.plugin.session = None if mode == "off" else self.session
-        self.session.switchable = self.base_tracers if mode == "base" else self.all_tracers
+    def _iteration(self):
         job, registry = self.job, self.job.trainer.registry
+        self.iteration += 1
         registry.call("on_iteration_begin", job.args, self.iteration)
         job.trainer.train_step(job.train_iterator)
         registry.call("on_iteration_end", job.args, self.iteration, {})
+
+    def run(self, mode):
+        """{"traced": [ms...], "untraced": [ms...], "drain": ms} of one interval."""
+        args = self.job.args
+        self.plugin.session = None if mode == "off" else self.session
+        self.session.switchable = self.base_tracers if mode == "base" else self.all_tracers
+        times = {"traced": [], "untraced": []}
+        for _ in range(args.trace_interval):
+            traced = is_traced(self.iteration + 1, args.trace_interval, args.continuous_trace_iterations)
+            times["traced" if traced else "untraced"].append(_synchronized_seconds(self._iteration, args) * 1000)
+        started = time.perf_counter()
+        self.session.writer.drain()
+        times["drain"] = (time.perf_counter() - started) * 1000
         self.plugin.session = self.session
+        return times
+
+
+def _relative(values, reference):
+    ratios = [v / r - 1 for v, r in zip(values, reference)]
+    return {"median_percent": statistics.median(ratios) * 100, "mean_percent": statistics.mean(ratios) * 100,
+            "std_error_percent": statistics.stdev(ratios) / len(ratios) ** 0.5 * 100 if len(ratios) > 1 else None}
 
 
 @exit_on_user_error
@@ -74,31 +90,39 @@ def main():
                     dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
                     extra_args_provider=_bench_args)
     args = job.args
-    if not args.trace or args.trace_interval != 2 or args.continuous_trace_iterations != 1:
-        sys.exit("bench/megascan_overhead.py: error: run with --trace --trace-interval 2 "
-                 "--continuous-trace-iterations 1")
-    runner = ModeRunner(job)
-    for mode in MODES:  # warm-up: allocator, communicators, the writer's first windows
-        _synchronized_seconds(lambda: runner.run(mode), args)
-    times = {mode: [] for mode in MODES}
+    if not args.trace:
+        sys.exit("bench/megascan_overhead.py: error: run with --trace (the modes switch it off and on)")
+    runner = IntervalRunner(job)
+    for mode in MODES:  # warm-up: allocator, communicators, the writer's first window
+        runner.run(mode)
+    runs = {mode: [] for mode in MODES}
     for round_index in range(args.bench_rounds):
         shift = round_index % len(MODES)
         for mode in MODES[shift:] + MODES[:shift]:
-            times[mode].append(_synchronized_seconds(lambda: runner.run(mode), args) * 1000)
+            runs[mode].append(runner.run(mode))
+    totals = {mode: [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in runs[mode]] for mode in MODES}
+    traced = {mode: [statistics.mean(r["traced"]) for r in runs[mode]] for mode in MODES}
+    untraced = {mode: [statistics.mean(r["untraced"]) for r in runs[mode]] for mode in MODES if runs[mode][0]["untraced"]}
+    off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
-                        f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds, "ms": times}
+                        f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds,
+              "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
+              "off_ms_per_iteration": statistics.median(off_iteration)}
     for mode in MODES[1:]:
-        ratios = [t / off - 1 for t, off in zip(times[mode], times["off"])]
-        result[mode] = {"median_ms": statistics.median(times[mode]),
-                        "overhead_percent": statistics.median(ratios) * 100,
-                        "mean_overhead_percent": statistics.mean(ratios) * 100,
-                        "std_error_percent": statistics.stdev(ratios) / len(ratios) ** 0.5 * 100}
+        result[mode] = {"interval": _relative(totals[mode], totals["off"]),
+                        "traced_iterations": _relative(traced[mode], off_iteration),
+                        "untraced_iterations": _relative(untraced[mode], off_iteration) if mode in untraced else None,
+                        "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode])}
     megascan.PLUGIN.on_train_end(args, runner.iteration)
     if torch.distributed.get_rank() == 0:
-        print(f"megascan overhead {result['layout']}: off {statistics.median(times['off']):.1f} ms/iter; " +
-              "; ".join(f"{mode} {result[mode]['median_ms']:.1f} ms ({result[mode]['overhead_percent']:+.2f}% "
-                        f"median, {result[mode]['mean_overhead_percent']:+.2f}% mean "
-                        f"+- {result[mode]['std_error_percent']:.2f})" for mode in MODES[1:]), flush=True)
+        print(f"megascan overhead {result['layout']} (interval {args.trace_interval}, "
+              f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} ms/iter; " +
+              "; ".join(f"{mode}: interval {result[mode]['interval']['median_percent']:+.2f}%, traced iterations "
+                        f"{result[mode]['traced_iterations']['median_percent']:+.2f}%, untraced "
+                        + (f"{result[mode]['untraced_iterations']['median_percent']:+.2f}%"
+                           if result[mode]['untraced_iterations'] else "n/a")
+                        + f", writer drain {result[mode]['writer_drain_ms']:.1f} ms" for mode in MODES[1:]),
+              flush=True)
         if args.bench_json:
             with open(args.bench_json, "w") as f:
                 json.dump(result, f, indent=1)

@@ -51,6 +51,10 @@ class TraceWriter:
     def submit(self, window, complete):
         self.queue.put((window, complete))
 
+    def drain(self):
+        """Wait until every submitted window is written (benchmarks charge that time to tracing)."""
+        self.queue.join()
+
     def close(self):
         if self.thread.is_alive():
             self.queue.put(None)
@@ -67,9 +71,12 @@ class TraceWriter:
             except queue.Empty:
                 self._report_stalled_window()
                 continue
-            if item is None:
-                return
-            self._write_window(*item)
+            try:
+                if item is None:
+                    return
+                self._write_window(*item)
+            finally:
+                self.queue.task_done()
 
     def _write_line(self, record):
         self._write_text(json.dumps(record, separators=(",", ":")) + "\n")
