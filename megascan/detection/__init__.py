@@ -17,7 +17,8 @@ from megascan.detection.waits import group_waits, rank_waits
 # within 10%; CPU processes sharing an oversubscribed host (tests, --device cpu) differ by up to ~1.5x.
 SLOW_COMPUTE_RATIO = {"cuda_event": 1.25, "host_clock": 2.0}
 IMPOSED_FRACTION = 0.05  # peers waited on it for at least 5% of its traced time ...
-IMPOSED_OVER_WAITED = 2.0  # ... at least twice what it waited for them
+IMPOSED_OVER_WAITED = 2.0  # ... at least twice what it waited for them ...
+WAIT_SHARE = 0.6  # ... and it caused most of the waiting in the groups it joins
 P2P_ONLY_IMPOSED_FRACTION = 0.2  # pipeline bubbles alone make a stage look late: ask for more
 
 
@@ -44,17 +45,20 @@ def _slow_rank_evidence(rank, trace, compute, waits):
         return score, evidence
     traced = _traced_time_us(trace)
     imposed = entry["imposed_us"] / traced
-    # Slowest in every group; with slow compute proven, in most (a group it shares only with
-    # other late ranks, e.g. model-parallel [0..3] behind a slow stage, may have another last).
-    leads_all = len(entry["slowest_in"]) == len(entry["groups"]) or (
-        slow is not None and 2 * len(entry["slowest_in"]) > len(entry["groups"]))
+    # The insight: a culprit is the slowest member of the groups it joins, the one the waiting in
+    # them is for. Counting groups is brittle in pipelines (the first stage always arrives last at
+    # the embedding all-reduce after the last backward), so it is weighed by time: the culprit caused
+    # most of the waiting in its groups. Without comparable compute it must also lead every group.
+    share = entry["imposed_us"] / max(entry["groups_waited_us"], 1.0)
+    leads = share >= WAIT_SHARE and (slow is not None or len(entry["slowest_in"]) == len(entry["groups"]))
     only_p2p = all(name.startswith("p2p") for name in entry["groups"])
     needed = P2P_ONLY_IMPOSED_FRACTION if only_p2p else IMPOSED_FRACTION
-    if leads_all and imposed >= needed and entry["imposed_us"] >= IMPOSED_OVER_WAITED * entry["waited_us"]:
+    if leads and imposed >= needed and entry["imposed_us"] >= IMPOSED_OVER_WAITED * entry["waited_us"]:
         score += imposed
         evidence.append(f"waits: last to arrive in {entry['last']} of {entry['instances']} synchronous "
                         f"operations; peers waited {entry['imposed_us'] / 1e3:.1f} ms on it "
-                        f"({100 * imposed:.0f}% of its traced time), it waited {entry['waited_us'] / 1e3:.1f} ms")
+                        f"({100 * imposed:.0f}% of its traced time, {100 * share:.0f}% of all waiting in its "
+                        f"groups), it waited {entry['waited_us'] / 1e3:.1f} ms")
         evidence.append(f"slowest member of {len(entry['slowest_in'])} of the {len(entry['groups'])} groups it "
                         f"joins: {', '.join(entry['slowest_in'])}")
         return score, evidence

@@ -65,13 +65,16 @@ def group_waits(merged):
 
 
 def rank_waits(groups):
-    """rank -> imposed and waited totals (us), instances where it came last, groups it joined/led."""
-    totals = defaultdict(lambda: {"imposed_us": 0.0, "waited_us": 0.0, "last": 0, "instances": 0,
-                                  "groups": [], "slowest_in": []})
+    """rank -> imposed and waited totals (us), all waiting in its groups, instances where it came
+    last, the groups it joined and those it was the slowest member of."""
+    totals = defaultdict(lambda: {"imposed_us": 0.0, "waited_us": 0.0, "groups_waited_us": 0.0, "last": 0,
+                                  "instances": 0, "groups": [], "slowest_in": []})
     for group in groups.values():
         slowest = group.slowest()
+        group_waited = sum(group.waited.values())
         for rank in group.members:
             entry = totals[rank]
+            entry["groups_waited_us"] += group_waited  # all waiting in its groups: its share is imposed / this
             entry["imposed_us"] += group.imposed[rank]
             entry["waited_us"] += group.waited[rank]
             entry["last"] += group.last[rank]
