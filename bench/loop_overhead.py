@@ -51,6 +51,15 @@ def _synchronized_seconds(run, args):
     return time.perf_counter() - start
 
 
+def report(args, result, line):
+    """Rank 0 prints the benchmark's line and writes its figures to --bench-json."""
+    if torch.distributed.get_rank() == 0:
+        print(line, flush=True)
+        if args.bench_json:
+            with open(args.bench_json, "w") as f:
+                json.dump(result, f, indent=1)
+
+
 def bare_loop(job, iterations):
     trainer, args = job.trainer, job.args
     for _ in range(iterations):
@@ -102,14 +111,10 @@ def main():
         "layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
                   f"xDP{args.data_parallel_size}",
     }
-    if torch.distributed.get_rank() == 0:
-        print(f"loop overhead {result['layout']}: bare {result['bare_ms_per_iter']:.1f} ms/iter, "
-              f"ours {result['ours_ms_per_iter']:.1f} ms/iter, overhead {result['overhead_percent']:+.2f}% "
-              f"(interquartile {quartiles[0] * 100:+.2f}% .. {quartiles[2] * 100:+.2f}%, {args.bench_pairs} pairs)",
-              flush=True)
-        if args.bench_json:
-            with open(args.bench_json, "w") as f:
-                json.dump(result, f, indent=1)
+    report(args, result, f"loop overhead {result['layout']}: bare {result['bare_ms_per_iter']:.1f} ms/iter, "
+                         f"ours {result['ours_ms_per_iter']:.1f} ms/iter, overhead {result['overhead_percent']:+.2f}% "
+                         f"(interquartile {quartiles[0] * 100:+.2f}% .. {quartiles[2] * 100:+.2f}%, "
+                         f"{args.bench_pairs} pairs)")
     shutdown()
 
 

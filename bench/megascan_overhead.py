@@ -15,20 +15,17 @@ iterations of traced intervals (which must cost nothing).
         [--bench-rounds 10] [--bench-json out.json]
 """
 
-import json
 import os
 import statistics
 import sys
 import time
-
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megascan  # noqa: E402
 import pretrain_gpt  # noqa: E402
-from loop_overhead import _synchronized_seconds  # noqa: E402
+from loop_overhead import _synchronized_seconds, report  # noqa: E402
 from megascan.compute_tracer import LayerTracer  # noqa: E402
 from megascan.session import is_traced  # noqa: E402
 from megatron.training.errors import exit_on_user_error  # noqa: E402
@@ -84,6 +81,14 @@ def _relative(values, reference):
             "std_error_percent": statistics.stdev(ratios) / len(ratios) ** 0.5 * 100 if len(ratios) > 1 else None}
 
 
+def _mode_summary(mode, figures):
+    untraced = figures["untraced_iterations"]
+    return (f"{mode}: interval {figures['interval']['median_percent']:+.2f}%, traced iterations "
+            f"{figures['traced_iterations']['median_percent']:+.2f}%, untraced "
+            f"{'n/a' if untraced is None else format(untraced['median_percent'], '+.2f') + '%'}, "
+            f"writer drain {figures['writer_drain_ms']:.1f} ms")
+
+
 @exit_on_user_error
 def main():
     job = setup_job(sys.argv[1:], prog="bench/megascan_overhead.py", model_provider=pretrain_gpt.model_provider,
@@ -114,18 +119,9 @@ def main():
                         "untraced_iterations": _relative(untraced[mode], off_iteration) if mode in untraced else None,
                         "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode])}
     megascan.PLUGIN.on_train_end(args, runner.iteration)
-    if torch.distributed.get_rank() == 0:
-        print(f"megascan overhead {result['layout']} (interval {args.trace_interval}, "
-              f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} ms/iter; " +
-              "; ".join(f"{mode}: interval {result[mode]['interval']['median_percent']:+.2f}%, traced iterations "
-                        f"{result[mode]['traced_iterations']['median_percent']:+.2f}%, untraced "
-                        + (f"{result[mode]['untraced_iterations']['median_percent']:+.2f}%"
-                           if result[mode]['untraced_iterations'] else "n/a")
-                        + f", writer drain {result[mode]['writer_drain_ms']:.1f} ms" for mode in MODES[1:]),
-              flush=True)
-        if args.bench_json:
-            with open(args.bench_json, "w") as f:
-                json.dump(result, f, indent=1)
+    report(args, result, f"megascan overhead {result['layout']} (interval {args.trace_interval}, "
+                         f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} "
+                         f"ms/iter; " + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:]))
     shutdown()
 
 
