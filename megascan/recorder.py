@@ -57,7 +57,6 @@ class Recorder:
 
     def open_window(self, index, iterations):
         self.window = TraceWindow(index, iterations, self.timer.mark())
-        return self.window
 
     def close_window(self):
         window, self.window = self.window, None

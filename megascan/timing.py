@@ -20,13 +20,13 @@ class HostTimer:
         return time.perf_counter_ns()
 
     def window_clock(self, base_mark):
-        return HostWindowClock(base_mark)
+        return HostWindowClock()
 
 
 class HostWindowClock:
     """perf_counter -> wall clock, anchored when the window's clock is made."""
 
-    def __init__(self, base_mark):
+    def __init__(self):
         self.wall_minus_perf_ns = time.time_ns() - time.perf_counter_ns()
         self.uncertainty_us = 0.0
 
