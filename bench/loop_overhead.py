@@ -51,6 +51,13 @@ def _synchronized_seconds(run, args):
     return time.perf_counter() - start
 
 
+def setup_gpt_bench_job(prog, bench_args):
+    """The job pretrain_gpt.py would run, with the benchmark's own flags added."""
+    return setup_job(sys.argv[1:], prog=prog, model_provider=pretrain_gpt.model_provider,
+                     dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
+                     extra_args_provider=bench_args)
+
+
 def report(args, result, line):
     """Rank 0 prints the benchmark's line and writes its figures to --bench-json."""
     if torch.distributed.get_rank() == 0:
@@ -83,9 +90,7 @@ def our_loop(job, iterations):
 
 @exit_on_user_error
 def main():
-    job = setup_job(sys.argv[1:], prog="bench/loop_overhead.py", model_provider=pretrain_gpt.model_provider,
-                    dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
-                    extra_args_provider=_bench_args)
+    job = setup_gpt_bench_job("bench/loop_overhead.py", _bench_args)
     args = job.args
     warmup_turns = 5
     needed = (2 * args.bench_pairs + warmup_turns) * args.bench_iters

@@ -24,13 +24,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.p
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megascan  # noqa: E402
-import pretrain_gpt  # noqa: E402
-from loop_overhead import _synchronized_seconds, report  # noqa: E402
+from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job  # noqa: E402
 from megascan.compute_tracer import LayerTracer  # noqa: E402
 from megascan.session import is_traced  # noqa: E402
 from megatron.training.errors import exit_on_user_error  # noqa: E402
 from megatron.training.initialize import shutdown  # noqa: E402
-from megatron.training.training import setup_job  # noqa: E402
 
 MODES = ("off", "base", "full")
 
@@ -91,9 +89,7 @@ def _mode_summary(mode, figures):
 
 @exit_on_user_error
 def main():
-    job = setup_job(sys.argv[1:], prog="bench/megascan_overhead.py", model_provider=pretrain_gpt.model_provider,
-                    dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
-                    extra_args_provider=_bench_args)
+    job = setup_gpt_bench_job("bench/megascan_overhead.py", _bench_args)
     args = job.args
     if not args.trace:
         sys.exit("bench/megascan_overhead.py: error: run with --trace (the modes switch it off and on)")

@@ -47,6 +47,7 @@ class TraceSession:
         if args.trace_granularity == "full":
             self.switchable.append(LayerTracer(self.recorder, model_chunks))
         self.iteration_start = None
+        self.saved_timers = None  # config.timers outside traced iterations
         self.writer = self._open_writer(model_chunks)
 
     def _open_writer(self, model_chunks):

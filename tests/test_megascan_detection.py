@@ -5,6 +5,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -38,7 +39,7 @@ def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
     assert all(not i.missing and len(i.records) == len(i.participants) for i in merged.instances)
     assert {i.kind for i in merged.instances} == {"collective", "p2p"}
     assert detect(merged).suspects == []
-    result = subprocess.run([os.sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(tmp_path / "trace"),
+    result = subprocess.run([sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(tmp_path / "trace"),
                              "-o", str(tmp_path / "merged.json"), "-d"], capture_output=True, text=True, cwd=REPO)
     assert result.returncode == 0 and "no suspect" in result.stdout, result.stdout + result.stderr
     chrome = json.loads((tmp_path / "merged.json").read_text())

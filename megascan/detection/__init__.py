@@ -11,6 +11,7 @@ from megascan.detection.hangs import find_hangs
 from megascan.detection.links import link_stats
 from megascan.detection.nvml_evidence import nvml_evidence
 from megascan.detection.report import Report, Suspect
+from megascan.detection.robust import median
 from megascan.detection.waits import group_waits, rank_waits
 
 # Own compute this many times what the other ranks take for the same operations. Healthy GPUs agree
@@ -58,7 +59,8 @@ def _slow_rank_evidence(rank, trace, compute, waits):
         evidence.append(f"waits: last to arrive in {entry['last']} of {entry['instances']} synchronous "
                         f"operations; peers waited {entry['imposed_us'] / 1e3:.1f} ms on it "
                         f"({100 * imposed:.0f}% of its traced time, {100 * share:.0f}% of all waiting in its "
-                        f"groups), it waited {entry['waited_us'] / 1e3:.1f} ms")
+                        f"groups), it waited {entry['waited_us'] / 1e3:.1f} ms; the transfers themselves took "
+                        f"{median(entry['transfer_us']):.0f} us (median) once the last member arrived")
         evidence.append(f"slowest member of {len(entry['slowest_in'])} of the {len(entry['groups'])} groups it "
                         f"joins: {', '.join(entry['slowest_in'])}")
         return score, evidence

@@ -13,9 +13,6 @@ from dataclasses import dataclass, field
 
 from megascan.detection.robust import median
 
-SYNC_ROLES = ("tp", "dp", "dp_cp", "mp", "embd", "pos_embd", "pp", "world", "other")
-
-
 @dataclass
 class GroupWaits:
     """Waits inside one synchronous group, over all its traced instances."""
@@ -66,9 +63,10 @@ def group_waits(merged):
 
 def rank_waits(groups):
     """rank -> imposed and waited totals (us), all waiting in its groups, instances where it came
-    last, the groups it joined and those it was the slowest member of."""
+    last, the groups it joined and those it was the slowest member of, and the transfer times
+    (finish - last arrival) of its groups' instances."""
     totals = defaultdict(lambda: {"imposed_us": 0.0, "waited_us": 0.0, "groups_waited_us": 0.0, "last": 0,
-                                  "instances": 0, "groups": [], "slowest_in": []})
+                                  "instances": 0, "groups": [], "slowest_in": [], "transfer_us": []})
     for group in groups.values():
         slowest = group.slowest()
         group_waited = sum(group.waited.values())
@@ -79,6 +77,7 @@ def rank_waits(groups):
             entry["waited_us"] += group.waited[rank]
             entry["last"] += group.last[rank]
             entry["instances"] += group.instances
+            entry["transfer_us"] += group.transfer_us
             entry["groups"].append(group.name)
             if rank == slowest and group.imposed[rank] > group.waited[rank]:
                 entry["slowest_in"].append(group.name)
