@@ -46,11 +46,20 @@ def _tensors(value):
             yield from _tensors(item)
 
 
+_DTYPE_NAMES = {}  # torch.bfloat16 -> "bfloat16"
+
+
 def _size_and_dtype(method, args):
     inputs = args[0] if method in _INPUT_FIRST else (args[1] if len(args) > 1 else ())
     tensors = list(_tensors(inputs))
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return nbytes, (str(tensors[0].dtype).removeprefix("torch.") if tensors else None)
+    if not tensors:
+        return nbytes, None
+    dtype = tensors[0].dtype
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return nbytes, name
 
 
 class TracedWork:
@@ -73,7 +82,7 @@ class TracedWork:
 class CommTracer:
     def __init__(self, recorder):
         self.recorder = recorder
-        self.groups = {}  # group name -> (global ranks, role)
+        self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
         self.roles = {}
@@ -105,10 +114,11 @@ class CommTracer:
         self.coalescing = {}
 
     def _group(self, group):
-        name = group.group_name
-        if name not in self.groups:
-            self.groups[name] = (dist.get_process_group_ranks(group), self.roles.get(id(group), "other"))
-        ranks, role = self.groups[name]
+        known = self.groups.get(id(group))  # by id: asking a group for its name costs a C++ call
+        if known is None:
+            known = self.groups[id(group)] = (group, group.group_name, dist.get_process_group_ranks(group),
+                                              self.roles.get(id(group), "other"))
+        _, name, ranks, role = known
         window_groups = self.recorder.window.groups
         if name not in window_groups:
             window_groups[name] = {"ranks": ranks, "role": role}

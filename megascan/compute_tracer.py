@@ -118,17 +118,17 @@ class LayerTracer:
     def __init__(self, recorder, model_chunks):
         self.parts = list(layer_parts(model_chunks))
         self.recorder = recorder
-        self.handles = []
+        self.stops = []
 
     def install(self):
-        for name, module, layer in self.parts:
-            self.handles += hook_phases(module, _LayerPhase(self.recorder, f"{name}-forward", layer),
-                                        _LayerPhase(self.recorder, f"{name}-backward", layer))
+        self.stops = [hook_phases(module, _LayerPhase(self.recorder, f"{name}-forward", layer),
+                                  _LayerPhase(self.recorder, f"{name}-backward", layer))
+                      for name, module, layer in self.parts]
 
     def uninstall(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+        for stop in reversed(self.stops):
+            stop()
+        self.stops = []
 
 
 class OptimizerTracer:

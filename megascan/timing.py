@@ -45,13 +45,25 @@ class CudaEventTimer:
     def __init__(self, device_index):
         self.device_index = device_index
         self.pool = collections.deque()  # deque: the training thread pops while the writer appends
+        # ``Event.record()`` asks ``torch.cuda.current_stream()`` for the stream, which builds a new
+        # Stream object each time: 8 of the 13 us a mark took on an H100 host. The raw handle of the
+        # current stream costs 0.2 us and keys a cache of Stream objects, and recording through the
+        # event's base class skips a Python wrapper: 4 us a mark. (Both exist in CUDA builds only.)
+        self.streams = {}  # raw stream handle -> torch.cuda.Stream
+        self.current_raw_stream = torch._C._cuda_getCurrentRawStream
+        self.record = torch._C._CudaEventBase.record
 
     def mark(self):
+        """Record an event on the current stream (the stream the work being timed runs on)."""
         try:
             event = self.pool.pop()
         except IndexError:
             event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        raw = self.current_raw_stream(self.device_index)
+        stream = self.streams.get(raw)
+        if stream is None:
+            stream = self.streams[raw] = torch.cuda.current_stream(self.device_index)
+        self.record(event, stream)
         return event
 
     def window_clock(self, base_mark):
