@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# MegaScan on two GPUs with GPT 345M bf16 (docs/benchmarks.md):
-#  1. tracing overhead side by side (bench/megascan_overhead.py) at the layouts in OVERHEAD (dp2 tp2 pp2);
+# MegaScan on two GPUs with GPT 345M bf16, or with SIZE=1.3b GPT 1.3B (hidden 2048, sequence 2048:
+# large enough that the GPUs, not the host, set the pace) (docs/benchmarks.md):
+#  1. tracing overhead side by side (bench/megascan_overhead.py) at the layouts in OVERHEAD (dp2 tp2 pp2),
+#     ROUNDS rounds each (10);
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
 # Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with
@@ -8,12 +10,15 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
+declare -A SIZES=([345m]="" [1.3b]="--hidden-size 2048 --seq-length 2048 --max-position-embeddings 2048")
+SIZE=${SIZE:-345m}
 for name in ${OVERHEAD-dp2 tp2 pp2}; do
-    timeout 240 torchrun --nproc_per_node 2 bench/megascan_overhead.py "${MODEL[@]}" ${LAYOUTS[$name]} \
-        --train-iters 1000 --trace --trace-dir "$RESULTS/overhead_trace_$name" --trace-interval 5 \
-        --continuous-trace-iterations 2 --bench-rounds "${ROUNDS:-10}" \
-        --bench-json "$RESULTS/megascan_overhead_$name.json" > "$RESULTS/megascan_overhead_$name.log" 2>&1
-    echo "overhead $name exit $?"; grep "megascan overhead" "$RESULTS/megascan_overhead_$name.log"
+    log=$RESULTS/megascan_overhead_${SIZE}_$name
+    timeout "${LAYOUT_TIMEOUT:-300}" torchrun --nproc_per_node 2 bench/megascan_overhead.py "${MODEL[@]}" \
+        ${SIZES[$SIZE]} ${LAYOUTS[$name]} --train-iters 1000 --trace --trace-dir "${log}_trace" \
+        --trace-interval 5 --continuous-trace-iterations 2 --bench-rounds "${ROUNDS:-10}" \
+        --bench-json "$log.json" > "$log.log" 2>&1
+    echo "overhead $SIZE $name exit $?"; grep "megascan overhead" "$log.log"
 done
 for case in ${DETECT-dp2:none dp2:1 tp2:1 pp2:0}; do
     layout=${case%%:*} gpu=${case##*:} load_pid=

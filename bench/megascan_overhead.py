@@ -8,7 +8,9 @@ barrier, and after a traced interval the time until the background writer has wr
 is added to it (an upper bound: in a real run that work overlaps the next, untraced iterations).
 The figures per mode: the median over rounds of interval / off interval - 1 (the cost of tracing
 averaged over the interval), and the same for the traced iterations alone and for the untraced
-iterations of traced intervals (which must cost nothing).
+iterations of traced intervals (which must cost nothing); the medians of single iterations pooled
+over rounds; and the host time to issue the schedule, which shows whether the host or the GPUs set
+the pace (a host-bound job pays every microsecond tracing spends on the training thread).
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
@@ -39,6 +41,17 @@ def _bench_args(parser):
     group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
 
 
+def _host_timed(schedule, seconds):
+    def timed_schedule(**kwargs):
+        started = time.perf_counter()
+        try:
+            return schedule(**kwargs)
+        finally:
+            seconds[0] += time.perf_counter() - started
+
+    return timed_schedule
+
+
 class IntervalRunner:
     """Runs one trace interval in a given mode through the training loop's own hooks."""
 
@@ -49,6 +62,11 @@ class IntervalRunner:
         self.all_tracers = list(self.session.switchable)
         self.base_tracers = [t for t in self.all_tracers if not isinstance(t, LayerTracer)]
         self.iteration = 0
+        # Host time to issue the schedule: close to the iteration's time means the host is the bottleneck.
+        # A list, not self, holds it: a reference from the trainer back to the runner would make a
+        # cycle that keeps the data loader's workers alive at exit.
+        self.schedule_host_seconds = [0.0]
+        job.trainer.forward_backward = _host_timed(job.trainer.forward_backward, self.schedule_host_seconds)
 
     def _iteration(self):
         job, registry = self.job, self.job.trainer.registry
@@ -63,12 +81,14 @@ class IntervalRunner:
         self.plugin.session = None if mode == "off" else self.session
         self.session.switchable = self.base_tracers if mode == "base" else self.all_tracers
         times = {"traced": [], "untraced": []}
+        self.schedule_host_seconds[0] = 0.0
         for _ in range(args.trace_interval):
             traced = is_traced(self.iteration + 1, args.trace_interval, args.continuous_trace_iterations)
             times["traced" if traced else "untraced"].append(_synchronized_seconds(self._iteration, args) * 1000)
         started = time.perf_counter()
         self.session.writer.drain()
         times["drain"] = (time.perf_counter() - started) * 1000
+        times["schedule_host"] = self.schedule_host_seconds[0] * 1000 / args.trace_interval
         self.plugin.session = self.session
         return times
 
@@ -84,7 +104,8 @@ def _mode_summary(mode, figures):
     return (f"{mode}: interval {figures['interval']['median_percent']:+.2f}%, traced iterations "
             f"{figures['traced_iterations']['median_percent']:+.2f}%, untraced "
             f"{'n/a' if untraced is None else format(untraced['median_percent'], '+.2f') + '%'}, "
-            f"writer drain {figures['writer_drain_ms']:.1f} ms")
+            f"writer drain {figures['writer_drain_ms']:.1f} ms; median iteration: " +
+            ", ".join(f"{kind} {value:+.2f}%" for kind, value in figures["median_iteration_percent"].items()))
 
 
 @exit_on_user_error
@@ -105,19 +126,27 @@ def main():
     traced = {mode: [statistics.mean(r["traced"]) for r in runs[mode]] for mode in MODES}
     untraced = {mode: [statistics.mean(r["untraced"]) for r in runs[mode]] for mode in MODES if runs[mode][0]["untraced"]}
     off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
+    # Pooled medians of single iterations: a host-bound job has rare slow iterations (up to +40 %)
+    # that move means and interval sums by percents; the median iteration is steady.
+    off_median = statistics.median(t for r in runs["off"] for t in r["traced"] + r["untraced"])
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
                         f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds,
               "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
-              "off_ms_per_iteration": statistics.median(off_iteration)}
+              "off_ms_per_iteration": statistics.median(off_iteration),
+              "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in MODES}}
     for mode in MODES[1:]:
         result[mode] = {"interval": _relative(totals[mode], totals["off"]),
                         "traced_iterations": _relative(traced[mode], off_iteration),
                         "untraced_iterations": _relative(untraced[mode], off_iteration) if mode in untraced else None,
-                        "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode])}
+                        "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode]),
+                        "median_iteration_percent": {
+                            kind: (statistics.median(t for r in runs[mode] for t in r[kind]) / off_median - 1) * 100
+                            for kind in ("traced", "untraced") if runs[mode][0][kind]}}
     megascan.PLUGIN.on_train_end(args, runner.iteration)
     report(args, result, f"megascan overhead {result['layout']} (interval {args.trace_interval}, "
                          f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} "
-                         f"ms/iter; " + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:]))
+                         f"ms/iter (schedule issued in {result['schedule_host_ms']['off']:.1f} ms on the host); "
+                         + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:]))
     shutdown()
 
 
