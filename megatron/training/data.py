@@ -5,6 +5,8 @@ peers of one replica read the same samples. Resuming from ``consumed_samples`` c
 where a checkpoint left off.
 """
 
+import atexit
+import multiprocessing
 import os
 import signal
 
@@ -100,12 +102,27 @@ def _ignore_sigterm(worker_id):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _kill_workers_at_exit():
+    """At exit, multiprocessing ends daemonic children with SIGTERM and waits for them. Workers
+    ignore SIGTERM, so a process that exits while a loader is still alive (a run stopped by an
+    exception, whose traceback keeps the loader) would wait forever: kill them first. atexit runs
+    this before multiprocessing's own handler, which was registered earlier. The loader's SIGCHLD
+    handler goes first, or it would report the killed workers as a second error."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
 def _loader(args, dataset, consumed_samples):
     if dataset is None:
         return None
     sampler = PretrainingSampler(len(dataset), consumed_samples, args.micro_batch_size,
                                  parallel_state.get_data_parallel_rank(),
                                  parallel_state.get_data_parallel_world_size())
+    if args.num_workers > 0:
+        atexit.unregister(_kill_workers_at_exit)  # once, however many loaders
+        atexit.register(_kill_workers_at_exit)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=args.num_workers, worker_init_fn=_ignore_sigterm,
         pin_memory=args.device == "cuda", persistent_workers=args.num_workers > 0,
