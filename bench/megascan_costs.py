@@ -116,6 +116,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/megascan_costs.py: error: no CUDA GPU here; it measures CUDA-event tracing")
     torch.cuda.init()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29531")
