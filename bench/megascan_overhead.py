@@ -62,9 +62,8 @@ class IntervalRunner:
         self.all_tracers = list(self.session.switchable)
         self.base_tracers = [t for t in self.all_tracers if not isinstance(t, LayerTracer)]
         self.iteration = 0
-        # Host time to issue the schedule: close to the iteration's time means the host is the bottleneck.
-        # A list, not self, holds it: a reference from the trainer back to the runner would make a
-        # cycle that keeps the data loader's workers alive at exit.
+        # Host time to issue the schedule (the wrapper adds to the list's one number): close to the
+        # iteration's time means the host, not the GPUs, sets the pace.
         self.schedule_host_seconds = [0.0]
         job.trainer.forward_backward = _host_timed(job.trainer.forward_backward, self.schedule_host_seconds)
 
@@ -126,8 +125,8 @@ def main():
     traced = {mode: [statistics.mean(r["traced"]) for r in runs[mode]] for mode in MODES}
     untraced = {mode: [statistics.mean(r["untraced"]) for r in runs[mode]] for mode in MODES if runs[mode][0]["untraced"]}
     off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
-    # Pooled medians of single iterations: a host-bound job has rare slow iterations (up to +40 %)
-    # that move means and interval sums by percents; the median iteration is steady.
+    # Pooled medians of single iterations: a host-bound job's iterations spread by 10-30 %, with
+    # outliers up to +40 % that move means and interval sums; the median iteration moves less.
     off_median = statistics.median(t for r in runs["off"] for t in r["traced"] + r["untraced"])
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
                         f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds,
