@@ -2,7 +2,7 @@
 # MegaScan on two GPUs with GPT 345M bf16, or with SIZE=1.3b GPT 1.3B (hidden 2048, sequence 2048:
 # large enough that the GPUs, not the host, set the pace) (docs/benchmarks.md):
 #  1. tracing overhead side by side (bench/megascan_overhead.py) at the layouts in OVERHEAD (dp2 tp2 pp2),
-#     ROUNDS rounds each (10);
+#     ROUNDS rounds each (10), each layout's job stopped after LAYOUT_TIMEOUT seconds (300);
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
 # Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with

@@ -30,15 +30,17 @@ from megascan.trace_writer import TraceWriter  # noqa: E402
 REPEATS = 7
 
 
-def _median_us(run, calls):
-    """Median over REPEATS of the host time per call of ``run(calls)``, after one warm-up."""
-    run(calls)
+def _median_us(run, calls, prepare):
+    """Median over REPEATS of the host time per call of ``run(calls)``, after one warm-up;
+    ``prepare()`` runs untimed before each."""
     samples = []
-    for _ in range(REPEATS):
+    for repeat in range(REPEATS + 1):
+        prepare()
         torch.cuda.synchronize()
         start = time.perf_counter()
         run(calls)
-        samples.append((time.perf_counter() - start) / calls * 1e6)
+        if repeat:
+            samples.append((time.perf_counter() - start) / calls * 1e6)
     torch.cuda.synchronize()
     return statistics.median(samples)
 
@@ -55,11 +57,15 @@ def _fresh_window(recorder):
 
 
 def mark_cost(recorder):
-    timer = recorder.timer
+    timer, marks = recorder.timer, []
 
     def run(calls):
-        timer.pool.extend([timer.mark() for _ in range(calls)])
-    return _median_us(run, 2000)
+        marks.extend(timer.mark() for _ in range(calls))
+
+    def give_back():
+        timer.pool.extend(marks)
+        marks.clear()
+    return _median_us(run, 2000, give_back)
 
 
 def layer_part_cost(recorder, hooked):
@@ -70,10 +76,9 @@ def layer_part_cost(recorder, hooked):
     source = torch.randn(8, 64, device="cuda", requires_grad=True)
 
     def run(calls):
-        _fresh_window(recorder)
         for _ in range(calls):
             module(source * 1.0).sum().backward()
-    return _median_us(run, 300)
+    return _median_us(run, 300, lambda: _fresh_window(recorder))
 
 
 def collective_cost(recorder, traced):
@@ -82,14 +87,13 @@ def collective_cost(recorder, traced):
     tensor = torch.ones(1024, device="cuda")
 
     def run(calls):
-        _fresh_window(recorder)
         if traced:
             tracer.install()
         for _ in range(calls):
             dist.all_reduce(tensor)
         if traced:
             tracer.uninstall()
-    return _median_us(run, 1000)
+    return _median_us(run, 1000, lambda: _fresh_window(recorder))
 
 
 def writer_row_cost(recorder, path):
@@ -102,11 +106,10 @@ def writer_row_cost(recorder, path):
         for _ in range(rows):
             recorder.add_event("mlp-forward", recorder.timer.mark(), recorder.timer.mark(), layer=1)
         torch.cuda.synchronize()
-        window = recorder.close_window()
         start = time.perf_counter()
-        writer._write_window(window, complete=True)
+        writer.submit(recorder.close_window(), complete=True)
+        writer.drain()
         samples.append((time.perf_counter() - start) / rows * 1e6)
-        recorder.window = None
     writer.close()
     os.remove(path)
     return statistics.median(samples)

@@ -19,8 +19,8 @@ import torch
 STALL_SECONDS = 5.0
 ROWS_PER_TURN = 64
 
-# Rows are filled into templates: about 1.5 us a row where json.dumps of a dict takes 5 (the
-# writer shares the GIL with the training thread, so its time per row is the tracing's cost).
+# Rows are filled into templates: about 1.5 us a row where json.dumps of a dict takes 5 (on a CPU
+# host). The writer shares the GIL with the training thread, so its time per row is tracing's cost.
 _EVENT_ROW = ('{"name":%s,"cat":"compute","iteration":%s,"microbatch":%s,"chunk":%s,"layer":%s,'
               '"start_us":%.1f,"end_us":%.1f}')
 _OP_ROW = ('{"op":%s,"kind":%s,"group":%s,"seq":%s,"peer":%s,"bytes":%s,"dtype":%s,"iteration":%s,'
