@@ -1,8 +1,9 @@
 """Host cost of MegaScan's tracing primitives on one GPU, in microseconds per call (median of repeats).
 
-What a traced iteration pays on the training thread: a timestamp (``mark``), the hooks around one
-layer part (forward and backward of a module), a traced collective (on a one-rank NCCL group);
-and what the writer thread pays per recorded row when it resolves and encodes a window.
+What a traced iteration pays on the training thread: a timestamp (``mark``), granularity ``full``'s
+tracing of one transformer layer (forward and backward of a small megatron-core block, per layer),
+a traced collective (on a one-rank NCCL group); and what the writer thread pays per recorded row
+when it resolves and encodes a window.
 Run on the GPU machine:
 
     python bench/megascan_costs.py [--json out.json]
@@ -21,28 +22,45 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 from megascan.comm_tracer import CommTracer  # noqa: E402
-from megascan.compute_tracer import _LayerPhase  # noqa: E402
-from megascan.layer_hooks import hook_phases  # noqa: E402
+from megascan.layer_tracer import LayerTracer  # noqa: E402
 from megascan.recorder import Recorder  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
+from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megascan.timing import CudaEventTimer  # noqa: E402
 from megascan.trace_writer import TraceWriter  # noqa: E402
 
 REPEATS = 7
+LAYERS = 4
+
+
+def _sample_us(run, calls, prepare):
+    """Host time per call of ``run(calls)``; ``prepare()`` runs untimed before it."""
+    prepare()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    run(calls)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def _median_us(run, calls, prepare):
-    """Median over REPEATS of the host time per call of ``run(calls)``, after one warm-up;
-    ``prepare()`` runs untimed before each."""
-    samples = []
-    for repeat in range(REPEATS + 1):
-        prepare()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run(calls)
-        if repeat:
-            samples.append((time.perf_counter() - start) / calls * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(samples)
+    """Median over REPEATS samples, after one warm-up."""
+    _sample_us(run, calls, prepare)
+    return statistics.median(_sample_us(run, calls, prepare) for _ in range(REPEATS))
+
+
+def _added_us(bare, traced, calls, prepare):
+    """(median of ``bare``, median over pairs of ``traced`` - ``bare``), samples alternating in
+    pairs after one warm-up each: the difference of two medians taken apart moved by tens of us
+    from run to run."""
+    _sample_us(bare, calls, prepare)
+    _sample_us(traced, calls, prepare)
+    pairs = [(_sample_us(bare, calls, prepare), _sample_us(traced, calls, prepare)) for _ in range(3 * REPEATS)]
+    return statistics.median(b for b, _ in pairs), statistics.median(t - b for b, t in pairs)
 
 
 def _fresh_window(recorder):
@@ -68,32 +86,37 @@ def mark_cost(recorder):
     return _median_us(run, 2000, give_back)
 
 
-def layer_part_cost(recorder, hooked):
-    """Forward and backward of a small module; with ``hooked`` the tracer's layer hooks observe it."""
-    module = torch.nn.Linear(64, 64, device="cuda")
-    if hooked:
-        hook_phases(module, _LayerPhase(recorder, "mlp-forward", 1), _LayerPhase(recorder, "mlp-backward", 1))
-    source = torch.randn(8, 64, device="cuda", requires_grad=True)
+def layer_cost(recorder):
+    """Forward and backward of a small transformer block, per layer: (bare, added by granularity
+    ``full``'s layer tracer)."""
+    config = TransformerConfig(num_layers=LAYERS, hidden_size=64, num_attention_heads=4)
+    bare, traced = (TransformerBlock(config, get_gpt_layer_local_spec()).cuda() for _ in range(2))
+    LayerTracer(recorder, [traced]).install()
+    source = torch.randn(16, 2, 64, device="cuda", requires_grad=True)
 
-    def run(calls):
-        for _ in range(calls):
-            module(source * 1.0).sum().backward()
-    return _median_us(run, 300, lambda: _fresh_window(recorder))
+    def runner(block):
+        def run(calls):
+            for _ in range(calls):
+                block(hidden_states=source * 1.0, attention_mask=None).sum().backward()
+        return run
+    bare_us, added_us = _added_us(runner(bare), runner(traced), 100, lambda: _fresh_window(recorder))
+    return bare_us / LAYERS, added_us / LAYERS
 
 
-def collective_cost(recorder, traced):
-    """A small all-reduce on a one-rank NCCL group; with ``traced`` the op is recorded."""
+def collective_cost(recorder):
+    """A small all-reduce on a one-rank NCCL group: (bare, added by recording it)."""
     tracer = CommTracer(recorder)
     tensor = torch.ones(1024, device="cuda")
 
-    def run(calls):
-        if traced:
-            tracer.install()
+    def bare(calls):
         for _ in range(calls):
             dist.all_reduce(tensor)
-        if traced:
-            tracer.uninstall()
-    return _median_us(run, 1000, lambda: _fresh_window(recorder))
+
+    def traced(calls):
+        tracer.install()
+        bare(calls)
+        tracer.uninstall()
+    return _added_us(bare, traced, 1000, lambda: _fresh_window(recorder))
 
 
 def writer_row_cost(recorder, path):
@@ -127,12 +150,12 @@ def main():
     dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
     recorder = Recorder(CudaEventTimer(torch.cuda.current_device()))
     recorder.timer.pool.extend(torch.cuda.Event(enable_timing=True) for _ in range(20000))
-    bare = layer_part_cost(recorder, hooked=False)
-    hooked = layer_part_cost(recorder, hooked=True)
-    untraced_op = collective_cost(recorder, traced=False)
-    figures = {"mark_us": mark_cost(recorder), "layer_part_bare_us": bare, "layer_part_hooked_us": hooked,
-               "layer_part_added_us": hooked - bare, "collective_us": untraced_op,
-               "collective_added_us": collective_cost(recorder, traced=True) - untraced_op,
+    parallel_state.initialize_model_parallel()
+    model_parallel_cuda_manual_seed(0)
+    layer_us, layer_added_us = layer_cost(recorder)
+    collective_us, collective_added_us = collective_cost(recorder)
+    figures = {"mark_us": mark_cost(recorder), "layer_us": layer_us, "layer_added_us": layer_added_us,
+               "collective_us": collective_us, "collective_added_us": collective_added_us,
                "writer_us_per_row": writer_row_cost(recorder, f"/tmp/megascan_costs_{os.getpid()}.json"),
                "device": torch.cuda.get_device_name(), "torch": torch.__version__}
     print("megascan costs: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"

@@ -9,8 +9,10 @@ is added to it (an upper bound: in a real run that work overlaps the next, untra
 The figures per mode: the median over rounds of interval / off interval - 1 (the cost of tracing
 averaged over the interval), and the same for the traced iterations alone and for the untraced
 iterations of traced intervals (which must cost nothing); the medians of single iterations pooled
-over rounds; and the host time to issue the schedule, which shows whether the host or the GPUs set
-the pace (a host-bound job pays every microsecond tracing spends on the training thread).
+over rounds; the host time to issue the schedule, which shows whether the host or the GPUs set
+the pace (a host-bound job pays every microsecond tracing spends on the training thread); and the
+training thread's CPU time per iteration, which a host-bound job's step time follows but which
+the waits behind the other rank, the GPU or a descheduled thread do not blur.
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
@@ -27,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megascan  # noqa: E402
 from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job  # noqa: E402
-from megascan.compute_tracer import LayerTracer  # noqa: E402
+from megascan.layer_tracer import LayerTracer  # noqa: E402
 from megascan.session import is_traced  # noqa: E402
 from megatron.training.errors import exit_on_user_error  # noqa: E402
 from megatron.training.initialize import shutdown  # noqa: E402
@@ -67,23 +69,29 @@ class IntervalRunner:
         self.schedule_host_seconds = [0.0]
         job.trainer.forward_backward = _host_timed(job.trainer.forward_backward, self.schedule_host_seconds)
 
-    def _iteration(self):
+    def _iteration(self, cpu_seconds):
         job, registry = self.job, self.job.trainer.registry
         self.iteration += 1
+        started = time.thread_time()
         registry.call("on_iteration_begin", job.args, self.iteration)
         job.trainer.train_step(job.train_iterator)
         registry.call("on_iteration_end", job.args, self.iteration, {})
+        cpu_seconds.append(time.thread_time() - started)
 
     def run(self, mode):
-        """{"traced": [ms...], "untraced": [ms...], "drain": ms} of one interval."""
+        """{"traced": [ms...], "untraced": [ms...], "traced_cpu": [ms...], "untraced_cpu": [ms...],
+        "drain": ms, "schedule_host": ms} of one interval."""
         args = self.job.args
         self.plugin.session = None if mode == "off" else self.session
         self.session.switchable = self.base_tracers if mode == "base" else self.all_tracers
-        times = {"traced": [], "untraced": []}
+        times = {"traced": [], "untraced": [], "traced_cpu": [], "untraced_cpu": []}
         self.schedule_host_seconds[0] = 0.0
         for _ in range(args.trace_interval):
-            traced = is_traced(self.iteration + 1, args.trace_interval, args.continuous_trace_iterations)
-            times["traced" if traced else "untraced"].append(_synchronized_seconds(self._iteration, args) * 1000)
+            kind = "traced" if is_traced(self.iteration + 1, args.trace_interval,
+                                         args.continuous_trace_iterations) else "untraced"
+            cpu_seconds = []
+            times[kind].append(_synchronized_seconds(lambda: self._iteration(cpu_seconds), args) * 1000)
+            times[f"{kind}_cpu"].append(cpu_seconds[0] * 1000)
         started = time.perf_counter()
         self.session.writer.drain()
         times["drain"] = (time.perf_counter() - started) * 1000
@@ -98,13 +106,31 @@ def _relative(values, reference):
             "std_error_percent": statistics.stdev(ratios) / len(ratios) ** 0.5 * 100 if len(ratios) > 1 else None}
 
 
+def _percent(figure):
+    if figure is None:
+        return "n/a"
+    error = figure["std_error_percent"]
+    return f"{figure['median_percent']:+.2f}%" + ("" if error is None else f" (SE {error:.2f})")
+
+
 def _mode_summary(mode, figures):
-    untraced = figures["untraced_iterations"]
-    return (f"{mode}: interval {figures['interval']['median_percent']:+.2f}%, traced iterations "
-            f"{figures['traced_iterations']['median_percent']:+.2f}%, untraced "
-            f"{'n/a' if untraced is None else format(untraced['median_percent'], '+.2f') + '%'}, "
-            f"writer drain {figures['writer_drain_ms']:.1f} ms; median iteration: " +
-            ", ".join(f"{kind} {value:+.2f}%" for kind, value in figures["median_iteration_percent"].items()))
+    return (f"{mode}: interval {_percent(figures['interval'])}, traced iterations "
+            f"{_percent(figures['traced_iterations'])}, untraced {_percent(figures['untraced_iterations'])}, "
+            f"training-thread CPU traced {_percent(figures['traced_cpu'])}, untraced "
+            f"{_percent(figures['untraced_cpu'])}, writer drain {figures['writer_drain_ms']:.1f} ms; single "
+            "iterations: " + ", ".join(f"{statistic} {kind} {value:+.2f}%"
+                                       for statistic, values in figures["pooled_iteration_percent"].items()
+                                       for kind, value in values.items()))
+
+
+def _lower_decile(values):
+    return statistics.quantiles(values, n=10)[0] if len(values) > 1 else values[0]
+
+
+# Single iterations pooled over rounds: a host-bound job's iterations spread by 10-30 %, in slow
+# stretches of a few seconds that hit every mode (outliers up to +40 % move means and interval
+# sums). The median iteration moves less, and the lower decile measures the fast stretches alone.
+_POOLED = {"median": statistics.median, "lower decile": _lower_decile}
 
 
 @exit_on_user_error
@@ -122,29 +148,34 @@ def main():
         for mode in MODES[shift:] + MODES[:shift]:
             runs[mode].append(runner.run(mode))
     totals = {mode: [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in runs[mode]] for mode in MODES}
-    traced = {mode: [statistics.mean(r["traced"]) for r in runs[mode]] for mode in MODES}
-    untraced = {mode: [statistics.mean(r["untraced"]) for r in runs[mode]] for mode in MODES if runs[mode][0]["untraced"]}
     off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
-    # Pooled medians of single iterations: a host-bound job's iterations spread by 10-30 %, with
-    # outliers up to +40 % that move means and interval sums; the median iteration moves less.
-    off_median = statistics.median(t for r in runs["off"] for t in r["traced"] + r["untraced"])
+    off_cpu = [statistics.mean(r["traced_cpu"] + r["untraced_cpu"]) for r in runs["off"]]
+    has_untraced = bool(runs["off"][0]["untraced"])
+    off_pooled = [t for r in runs["off"] for t in r["traced"] + r["untraced"]]
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
                         f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds,
               "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
               "off_ms_per_iteration": statistics.median(off_iteration),
+              "off_cpu_ms_per_iteration": statistics.median(off_cpu),
               "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in MODES}}
     for mode in MODES[1:]:
+        def relative(kind, reference):
+            return _relative([statistics.mean(r[kind]) for r in runs[mode]], reference)
         result[mode] = {"interval": _relative(totals[mode], totals["off"]),
-                        "traced_iterations": _relative(traced[mode], off_iteration),
-                        "untraced_iterations": _relative(untraced[mode], off_iteration) if mode in untraced else None,
+                        "traced_iterations": relative("traced", off_iteration),
+                        "untraced_iterations": relative("untraced", off_iteration) if has_untraced else None,
+                        "traced_cpu": relative("traced_cpu", off_cpu),
+                        "untraced_cpu": relative("untraced_cpu", off_cpu) if has_untraced else None,
                         "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode]),
-                        "median_iteration_percent": {
-                            kind: (statistics.median(t for r in runs[mode] for t in r[kind]) / off_median - 1) * 100
-                            for kind in ("traced", "untraced") if runs[mode][0][kind]}}
+                        "pooled_iteration_percent": {
+                            statistic: {kind: (pooled([t for r in runs[mode] for t in r[kind]]) / pooled(off_pooled)
+                                               - 1) * 100 for kind in ("traced", "untraced") if runs[mode][0][kind]}
+                            for statistic, pooled in _POOLED.items()}}
     megascan.PLUGIN.on_train_end(args, runner.iteration)
     report(args, result, f"megascan overhead {result['layout']} (interval {args.trace_interval}, "
                          f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} "
-                         f"ms/iter (schedule issued in {result['schedule_host_ms']['off']:.1f} ms on the host); "
+                         f"ms/iter (schedule issued in {result['schedule_host_ms']['off']:.1f} ms on the host, "
+                         f"training thread on CPU {result['off_cpu_ms_per_iteration']:.1f} ms); "
                          + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:]))
     shutdown()
 

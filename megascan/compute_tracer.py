@@ -1,5 +1,5 @@
 """Record the compute side of a traced iteration: forward, backward and loss of every microbatch and
-model chunk, the optimizer step and, at granularity ``full``, every layer's attention and MLP.
+model chunk, and the optimizer step (the layers' halves at granularity ``full``: layer_tracer.py).
 
 Microbatch forwards are seen through the forward step function the schedule calls; forward and
 backward intervals through ``ModelParallelConfig.timers``, the hook megatron-core's schedules
@@ -10,7 +10,7 @@ that microbatch's forward output, which fires as its backward begins.
 
 import torch
 
-from megascan.layer_hooks import hook_phases, layer_parts
+from megascan.layer_hooks import on_gradient_complete
 
 _COMPUTE_TIMERS = {"forward-compute": "forward", "backward-compute": "backward"}
 _IGNORED_TIMERS = {"forward-backward"}  # the whole schedule: the iteration event covers it
@@ -78,7 +78,7 @@ class ScheduleTracer:
             context.set_phase("forward", microbatch, chunk)
             output, loss_func = forward_step_func(data_iterator, model, *args)
             if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-                output.register_hook(lambda grad: context.set_phase("backward", microbatch, chunk))
+                on_gradient_complete(output, lambda grad: context.set_phase("backward", microbatch, chunk))
             return output, self._traced_loss(loss_func, microbatch, chunk)
 
         return traced_forward_step
@@ -95,40 +95,6 @@ class ScheduleTracer:
             return result
 
         return traced_loss
-
-
-class _LayerPhase:
-    """begin/end of one layer part's forward or backward, recorded as an event named ``name``."""
-
-    __slots__ = ("recorder", "name", "layer")
-
-    def __init__(self, recorder, name, layer):
-        self.recorder, self.name, self.layer = recorder, name, layer
-
-    def begin(self):
-        return self.recorder.timer.mark()
-
-    def end(self, started):
-        self.recorder.add_event(self.name, started, self.recorder.timer.mark(), self.layer)
-
-
-class LayerTracer:
-    """Attention and MLP forward/backward of every transformer layer (granularity ``full``)."""
-
-    def __init__(self, recorder, model_chunks):
-        self.parts = list(layer_parts(model_chunks))
-        self.recorder = recorder
-        self.stops = []
-
-    def install(self):
-        self.stops = [hook_phases(module, _LayerPhase(self.recorder, f"{name}-forward", layer),
-                                  _LayerPhase(self.recorder, f"{name}-backward", layer))
-                      for name, module, layer in self.parts]
-
-    def uninstall(self):
-        for stop in reversed(self.stops):
-            stop()
-        self.stops = []
 
 
 class OptimizerTracer:

@@ -13,7 +13,8 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_model_config
 
 from megascan.comm_tracer import CommTracer
-from megascan.compute_tracer import LayerTracer, OptimizerTracer, ScheduleTimers, ScheduleTracer
+from megascan.compute_tracer import OptimizerTracer, ScheduleTimers, ScheduleTracer
+from megascan.layer_tracer import LayerTracer
 from megascan.nvml_probe import NvmlProbe
 from megascan.recorder import Recorder
 from megascan.timing import make_timer

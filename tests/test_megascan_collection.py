@@ -47,6 +47,31 @@ def test_tp2_pp2_virtual_pipeline_trace_files_and_unchanged_losses(gpt_data, tmp
             assert tp_allreduces and all(op["bytes"] > 0 and op["dtype"] == "float32" for op in tp_allreduces)
 
 
+def test_layer_halves_share_their_boundaries(gpt_data, tmp_path):
+    """Granularity full cuts each layer into attention and MLP halves: one half ends where the
+    next begins, in the forward (attention, MLP, next layer) and the backward (in reverse), and
+    every half lies inside its microbatch's forward or backward."""
+    traced_run(gpt_data, tmp_path, "DP2xPP2", iterations=3, extra=["--continuous-trace-iterations", "1"])
+    for path in tmp_path.iterdir():  # two layers per pipeline stage, two microbatches per replica
+        _, window = read_trace_file(path)
+        events = {(e["iteration"], e["microbatch"], e["name"], e["layer"]): e for e in window["events"]}
+        layers = sorted({layer for (_, _, _, layer) in events if layer is not None})
+        assert len(layers) == 2 and len(window["events"]) == len(events)
+        for microbatch in range(2):
+            def half(name, layer, key):
+                return events[(3, microbatch, name, layer)][key]
+            forward, backward = (events[(3, microbatch, name, None)] for name in ("forward", "backward"))
+            first, second = layers
+            assert half("attention-forward", first, "end_us") == half("mlp-forward", first, "start_us")
+            assert half("mlp-forward", first, "end_us") == half("attention-forward", second, "start_us")
+            assert half("mlp-backward", second, "end_us") == half("attention-backward", second, "start_us")
+            assert half("attention-backward", second, "end_us") == half("mlp-backward", first, "start_us")
+            assert forward["start_us"] <= half("attention-forward", first, "start_us")
+            assert half("mlp-forward", second, "end_us") <= forward["end_us"]
+            assert backward["start_us"] <= half("mlp-backward", second, "start_us")
+            assert half("attention-backward", first, "end_us") <= backward["end_us"]
+
+
 def test_trace_window_at_the_end_of_training_is_kept(gpt_data, tmp_path):
     traced_run(gpt_data, tmp_path, "DP2xTP2", iterations=5, extra=["--trace-granularity", "base"])
     _, first, last = read_trace_file(tmp_path / "benchmark-data-1-pipeline-0-tensor-1.json")
