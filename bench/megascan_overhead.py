@@ -150,7 +150,7 @@ def main():
     totals = {mode: [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in runs[mode]] for mode in MODES}
     off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
     off_cpu = [statistics.mean(r["traced_cpu"] + r["untraced_cpu"]) for r in runs["off"]]
-    has_untraced = bool(runs["off"][0]["untraced"])
+    kinds = ("traced", "untraced") if runs["off"][0]["untraced"] else ("traced",)
     off_pooled = [t for r in runs["off"] for t in r["traced"] + r["untraced"]]
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
                         f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds,
@@ -163,13 +163,13 @@ def main():
             return _relative([statistics.mean(r[kind]) for r in runs[mode]], reference)
         result[mode] = {"interval": _relative(totals[mode], totals["off"]),
                         "traced_iterations": relative("traced", off_iteration),
-                        "untraced_iterations": relative("untraced", off_iteration) if has_untraced else None,
+                        "untraced_iterations": relative("untraced", off_iteration) if "untraced" in kinds else None,
                         "traced_cpu": relative("traced_cpu", off_cpu),
-                        "untraced_cpu": relative("untraced_cpu", off_cpu) if has_untraced else None,
+                        "untraced_cpu": relative("untraced_cpu", off_cpu) if "untraced" in kinds else None,
                         "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode]),
                         "pooled_iteration_percent": {
                             statistic: {kind: (pooled([t for r in runs[mode] for t in r[kind]]) / pooled(off_pooled)
-                                               - 1) * 100 for kind in ("traced", "untraced") if runs[mode][0][kind]}
+                                               - 1) * 100 for kind in kinds}
                             for statistic, pooled in _POOLED.items()}}
     megascan.PLUGIN.on_train_end(args, runner.iteration)
     report(args, result, f"megascan overhead {result['layout']} (interval {args.trace_interval}, "

@@ -28,9 +28,9 @@ def on_gradient_complete(tensor, hook):
 
     On a tensor made by an operation, a pre-hook of the graph node that made it (the node runs once
     the gradients of its outputs are complete; the modules observed here output one tensor from a
-    node of one output): about half the host time of ``Tensor.register_hook``, which keeps Python
-    bookkeeping per tensor. A leaf (e.g. a pipeline stage's received input) has no node: a tensor
-    hook.
+    node of one output): less host time than ``Tensor.register_hook``, which keeps Python
+    bookkeeping per tensor (to register: 1.7 against 2.7 us on a 2-core CPU host). A leaf (e.g. a
+    pipeline stage's received input) has no node: a tensor hook.
     """
     node = tensor.grad_fn
     if node is None:

@@ -46,7 +46,7 @@ class LayerTracer:
         chunks = [[layer for layer in chunk.modules() if isinstance(layer, TransformerLayer)] for chunk in model_chunks]
         chunks = [layers for layers in chunks if layers]
         self.layers = [layer for layers in chunks for layer in layers]
-        self.chunk_ends = {id(layers[-1]) for layers in chunks}  # their output's gradient starts a backward
+        self.chunk_ends = {layers[-1].layer_number for layers in chunks}  # their output's gradient starts a backward
         self.chunk_starts = {layers[0].layer_number for layers in chunks}  # their attention ends one
         self.middle_mark = None  # taken by the running layer's pre-MLP norm
         # (weak reference to the tensor, its mark) of the last layer to finish its forward: weak, so
@@ -60,7 +60,7 @@ class LayerTracer:
             attention_ends, mlp_ends = (self._half_end_hook(norm, name, layer.layer_number) for norm, name in (
                 (layer.input_layernorm, "attention-backward"), (layer.pre_mlp_layernorm, "mlp-backward")))
             self.restores.append(shadow_forward(layer, functools.partial(
-                self._observed_layer, layer_number=layer.layer_number, chunk_end=id(layer) in self.chunk_ends,
+                self._observed_layer, layer_number=layer.layer_number, chunk_end=layer.layer_number in self.chunk_ends,
                 input_hook=attention_ends)))
             self.restores.append(shadow_forward(layer.pre_mlp_layernorm, functools.partial(
                 self._observed_middle, input_hook=mlp_ends)))
