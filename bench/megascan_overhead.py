@@ -9,10 +9,11 @@ is added to it (an upper bound: in a real run that work overlaps the next, untra
 The figures per mode: the median over rounds of interval / off interval - 1 (the cost of tracing
 averaged over the interval), and the same for the traced iterations alone and for the untraced
 iterations of traced intervals (which must cost nothing); the medians of single iterations pooled
-over rounds; the host time to issue the schedule, which shows whether the host or the GPUs set
-the pace (a host-bound job pays every microsecond tracing spends on the training thread); and the
+over rounds; the host time to issue the schedule (well below the iteration's time: the GPUs set
+the pace; close to it: the host does, or a full launch queue held it back); and the
 training thread's CPU time per iteration, which a host-bound job's step time follows but which
-the waits behind the other rank, the GPU or a descheduled thread do not blur.
+waits behind the other rank or a descheduled thread do not blur (waits for the GPU may: the CUDA
+driver can spin while it blocks a launch or a synchronize).
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
@@ -64,8 +65,9 @@ class IntervalRunner:
         self.all_tracers = list(self.session.switchable)
         self.base_tracers = [t for t in self.all_tracers if not isinstance(t, LayerTracer)]
         self.iteration = 0
-        # Host time to issue the schedule (the wrapper adds to the list's one number): close to the
-        # iteration's time means the host, not the GPUs, sets the pace.
+        # Host time to issue the schedule (the wrapper adds to the list's one number). Only a time well
+        # below the iteration's says the GPUs set the pace: a launch queue full of about a thousand
+        # kernels blocks the host too, so a GPU-bound job may also issue in nearly its iteration time.
         self.schedule_host_seconds = [0.0]
         job.trainer.forward_backward = _host_timed(job.trainer.forward_backward, self.schedule_host_seconds)
 
