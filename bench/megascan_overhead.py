@@ -13,7 +13,8 @@ over rounds; the host time to issue the schedule (well below the iteration's tim
 the pace; close to it: the host does, or a full launch queue held it back); and the
 training thread's CPU time per iteration, which a host-bound job's step time follows but which
 waits behind the other rank or a descheduled thread do not blur (waits for the GPU may: the CUDA
-driver can spin while it blocks a launch or a synchronize).
+driver can spin while it blocks a launch or a synchronize), also put per event and op that a traced
+iteration records (each takes two marks: the figure to set against the cost of a mark).
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
@@ -70,6 +71,16 @@ class IntervalRunner:
         # kernels blocks the host too, so a GPU-bound job may also issue in nearly its iteration time.
         self.schedule_host_seconds = [0.0]
         job.trainer.forward_backward = _host_timed(job.trainer.forward_backward, self.schedule_host_seconds)
+        # Events and ops of the windows handed to the writer: what a traced iteration records, so that
+        # its added CPU time can be put per record (two marks each, plus the Python around them).
+        self.records = [0]
+        submit = self.session.writer.submit
+
+        def counted_submit(window, complete):
+            self.records[0] += len(window.events) + len(window.ops)
+            submit(window, complete)
+
+        self.session.writer.submit = counted_submit
 
     def _iteration(self, cpu_seconds):
         job, registry = self.job, self.job.trainer.registry
@@ -82,12 +93,12 @@ class IntervalRunner:
 
     def run(self, mode):
         """{"traced": [ms...], "untraced": [ms...], "traced_cpu": [ms...], "untraced_cpu": [ms...],
-        "drain": ms, "schedule_host": ms} of one interval."""
+        "drain": ms, "schedule_host": ms, "records": per traced iteration} of one interval."""
         args = self.job.args
         self.plugin.session = None if mode == "off" else self.session
         self.session.switchable = self.base_tracers if mode == "base" else self.all_tracers
         times = {"traced": [], "untraced": [], "traced_cpu": [], "untraced_cpu": []}
-        self.schedule_host_seconds[0] = 0.0
+        self.schedule_host_seconds[0] = self.records[0] = 0
         for _ in range(args.trace_interval):
             kind = "traced" if is_traced(self.iteration + 1, args.trace_interval,
                                          args.continuous_trace_iterations) else "untraced"
@@ -98,6 +109,7 @@ class IntervalRunner:
         self.session.writer.drain()
         times["drain"] = (time.perf_counter() - started) * 1000
         times["schedule_host"] = self.schedule_host_seconds[0] * 1000 / args.trace_interval
+        times["records"] = self.records[0] / args.continuous_trace_iterations
         self.plugin.session = self.session
         return times
 
@@ -119,7 +131,9 @@ def _mode_summary(mode, figures):
     return (f"{mode}: interval {_percent(figures['interval'])}, traced iterations "
             f"{_percent(figures['traced_iterations'])}, untraced {_percent(figures['untraced_iterations'])}, "
             f"training-thread CPU traced {_percent(figures['traced_cpu'])}, untraced "
-            f"{_percent(figures['untraced_cpu'])}, writer drain {figures['writer_drain_ms']:.1f} ms; single "
+            f"{_percent(figures['untraced_cpu'])} ({figures['records_per_traced_iteration']:.0f} events and ops a "
+            f"traced iteration, {figures['added_cpu_us_per_record']:.1f} us CPU each), writer drain "
+            f"{figures['writer_drain_ms']:.1f} ms; single "
             "iterations: " + ", ".join(f"{statistic} {kind} {value:+.2f}%"
                                        for statistic, values in figures["pooled_iteration_percent"].items()
                                        for kind, value in values.items()))
@@ -169,6 +183,10 @@ def main():
                         "traced_cpu": relative("traced_cpu", off_cpu),
                         "untraced_cpu": relative("untraced_cpu", off_cpu) if "untraced" in kinds else None,
                         "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode]),
+                        "records_per_traced_iteration": statistics.median(r["records"] for r in runs[mode]),
+                        "added_cpu_us_per_record": statistics.median(
+                            (statistics.mean(r["traced_cpu"]) - off) * 1000 / r["records"]
+                            for r, off in zip(runs[mode], off_cpu)),
                         "pooled_iteration_percent": {
                             statistic: {kind: (pooled([t for r in runs[mode] for t in r[kind]]) / pooled(off_pooled)
                                                - 1) * 100 for kind in kinds}
