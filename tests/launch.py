@@ -2,9 +2,11 @@
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +41,41 @@ def torchrun_command(nproc, script, args):
             "--master-port", str(free_port()), str(REPO / script), *map(str, args)]
 
 
+def kill_process_tree(pid, timeout=10):
+    """SIGKILL a process and all its descendants, and wait until they are gone.
+
+    torchrun starts every worker in a session of its own, so killing torchrun's process group
+    leaves the workers running (a SIGSTOPped one stays stopped) long after the test.
+    """
+    children = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name) state"
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(parent, []).append(int(stat.parent.name))
+    tree = [pid]
+    for member in tree:  # grows while it is walked: breadth-first over the descendants
+        tree.extend(children.get(member, []))
+    for member in tree:
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(_running(member) for member in tree):
+        time.sleep(0.1)
+    return [member for member in tree if _running(member)]
+
+
+def _running(pid):
+    """Alive and not a zombie waiting for its parent to collect it."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def child_env(extra=None):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.update(extra or {})
@@ -46,9 +83,17 @@ def child_env(extra=None):
 
 
 def torchrun(nproc, script, args, env=None, timeout=600):
-    """Run to completion; returns the CompletedProcess (stdout and stderr as text)."""
-    return subprocess.run(torchrun_command(nproc, script, args), cwd=REPO, env=child_env(env),
-                          capture_output=True, text=True, timeout=timeout)
+    """Run to completion; returns the CompletedProcess (stdout and stderr as text). A job that runs
+    past ``timeout`` is killed with its workers before the error is raised."""
+    command = torchrun_command(nproc, script, args)
+    with subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as job:
+        try:
+            stdout, stderr = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(job.pid)  # not yet collected, so the pid is still the job's
+            raise
+    return subprocess.CompletedProcess(command, job.returncode, stdout, stderr)
 
 
 def run_script(script, args, env=None, timeout=120):

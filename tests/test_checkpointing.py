@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, lm_losses, torchrun,
+from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, kill_process_tree, lm_losses, torchrun,
                     torchrun_command)
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -52,14 +52,19 @@ def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
     launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     output = []
-    deadline = time.time() + 300
-    for line in launcher.stdout:
-        output.append(line)
-        if "iteration        3/" in line:
-            launcher.send_signal(signal.SIGTERM)  # as a scheduler's preemption does
-            break
-        assert time.time() < deadline, "".join(output)
-    output.append(launcher.communicate(timeout=300)[0])
+    try:
+        deadline = time.time() + 300
+        for line in launcher.stdout:
+            output.append(line)
+            if "iteration        3/" in line:
+                launcher.send_signal(signal.SIGTERM)  # as a scheduler's preemption does
+                break
+            assert time.time() < deadline, "".join(output)
+        output.append(launcher.communicate(timeout=300)[0])
+    finally:
+        if launcher.returncode is None:  # failed before the job ended: leave no worker behind
+            kill_process_tree(launcher.pid)
+            launcher.wait()
     log = "".join(output)
     assert "SIGTERM received: stopping at iteration" in log, log[-3000:]
     saved = int((save / TRACKER).read_text())

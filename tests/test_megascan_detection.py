@@ -2,15 +2,13 @@
 flags, aggregated and analysed: the report names exactly that rank first, and nobody in a healthy run."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from launch import REPO, TINY_GPT, child_env, gpt_data_args, torchrun_command
+from launch import REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, torchrun_command
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
 from megascan_runs import LAYOUTS, traced_run
@@ -59,7 +57,7 @@ def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
             ["--train-iters", "6", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "3",
              "--inject-hang-rank", "1", "--inject-hang-iteration", str(iteration)])
     job = subprocess.Popen(torchrun_command(processes, "pretrain_gpt.py", args), cwd=REPO, env=child_env(),
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
         while time.time() < deadline:  # the three blocked peers write "issued" lines once stalled
@@ -68,8 +66,9 @@ def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
                 break
             time.sleep(1)
     finally:
-        os.killpg(job.pid, signal.SIGKILL)
+        survivors = kill_process_tree(job.pid)
         job.wait()
+    assert survivors == [], f"processes of the killed job still running: {survivors}"
     report = detect(load_and_merge(tmp_path))
     assert [(s.rank, s.kind) for s in report.suspects] == [(1, "hang")], report.to_text()
     assert "never reached" in report.suspects[0].evidence[0]
