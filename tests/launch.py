@@ -2,12 +2,12 @@
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,38 +42,26 @@ def torchrun_command(nproc, script, args):
 
 
 def kill_process_tree(pid, timeout=10):
-    """SIGKILL a process and all its descendants, and wait until they are gone.
+    """SIGKILL a process and all its descendants, and wait until the descendants are gone (the caller
+    collects the process itself).
 
     torchrun starts every worker in a session of its own, so killing torchrun's process group
     leaves the workers running (a SIGSTOPped one stays stopped) long after the test.
     """
-    children = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    root = psutil.Process(pid)
+    descendants = root.children(recursive=True)  # before the kill, which hands them to init
+    for process in (root, *descendants):
         try:
-            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (name) state"
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        children.setdefault(parent, []).append(int(stat.parent.name))
-    tree = [pid]
-    for member in tree:  # grows while it is walked: breadth-first over the descendants
-        tree.extend(children.get(member, []))
-    for member in tree:
-        try:
-            os.kill(member, signal.SIGKILL)
-        except ProcessLookupError:
+            process.kill()
+        except psutil.NoSuchProcess:
             pass
-    deadline = time.time() + timeout
-    while time.time() < deadline and any(_running(member) for member in tree):
-        time.sleep(0.1)
-    return [member for member in tree if _running(member)]
+    psutil.wait_procs(descendants, timeout=timeout)
 
 
-def _running(pid):
-    """Alive and not a zombie waiting for its parent to collect it."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
+def running_with_argument(text):
+    """Pids of the running processes whose command line holds ``text`` (e.g. a test's own directory)."""
+    return [process.pid for process in psutil.process_iter(["cmdline", "status"])
+            if text in " ".join(process.info["cmdline"] or ()) and process.info["status"] != psutil.STATUS_ZOMBIE]
 
 
 def child_env(extra=None):

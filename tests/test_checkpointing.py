@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, kill_process_tree, lm_losses, torchrun,
-                    torchrun_command)
+from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, kill_process_tree, lm_losses,
+                    torchrun, torchrun_command)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from launch import REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, torchrun_command
+from launch import (REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, running_with_argument,
+                    torchrun_command)
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
 from megascan_runs import LAYOUTS, traced_run
@@ -66,8 +67,9 @@ def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
                 break
             time.sleep(1)
     finally:
-        survivors = kill_process_tree(job.pid)
+        kill_process_tree(job.pid)
         job.wait()
+    survivors = running_with_argument(str(tmp_path))  # every rank has the directory in its flags
     assert survivors == [], f"processes of the killed job still running: {survivors}"
     report = detect(load_and_merge(tmp_path))
     assert [(s.rank, s.kind) for s in report.suspects] == [(1, "hang")], report.to_text()
