@@ -16,7 +16,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.training.core_configs import language_model_kwargs, transformer_config
 from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import exit_on_user_error
-from megatron.training.local_layer_specs import block_spec_with_torch_norms
+from megatron.training.local_layer_specs import block_spec_with_torch_norms, with_core_attention
 from megatron.training.training import pretrain
 
 
@@ -25,8 +25,9 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
     if args.transformer_impl == "transformer_engine":
         layer_spec = get_gpt_layer_with_transformer_engine_spec()
     else:
-        layer_spec = block_spec_with_torch_norms(
-            get_gpt_layer_local_spec(normalization=args.normalization), config, vp_stage)
+        layer_spec = with_core_attention(get_gpt_layer_local_spec(normalization=args.normalization),
+                                         args.attention_backend)
+        layer_spec = block_spec_with_torch_norms(layer_spec, config, vp_stage)
     return GPTModel(config=config, transformer_layer_spec=layer_spec, rotary_base=args.rotary_base,
                     **language_model_kwargs(args, pre_process, post_process, vp_stage))
 

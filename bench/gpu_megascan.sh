@@ -10,7 +10,6 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
-declare -A SIZES=([345m]="" [1.3b]="--hidden-size 2048 --seq-length 2048 --max-position-embeddings 2048")
 SIZE=${SIZE:-345m}
 for name in ${OVERHEAD-dp2 tp2 pp2}; do
     log=$RESULTS/megascan_overhead_${SIZE}_$name

@@ -60,6 +60,19 @@ def validate_trace_args(args):
                  f"--trace-dir {trace_dir} cannot be created (no write access above it)")
 
 
+def compose_with_cuda_graphs(args):
+    """Granularity ``full`` times each layer's halves from Python; a CUDA-graphed layer replays as one
+    launch that no Python hook sees. Graphs that were only the default give way (the start-up log says
+    so); graphs the user asked for with full tracing are refused in one line."""
+    if not (args.trace and args.trace_granularity == "full" and args.cuda_graph_impl != "none"):
+        return
+    _require(args.cuda_graph_by_default,
+             f"--trace-granularity full times every layer, which --cuda-graph-impl {args.cuda_graph_impl} "
+             f"replays as one launch; use --trace-granularity base or drop the CUDA graphs")
+    args.cuda_graph_impl = "none"
+    args.cuda_graph_note = "off: MegaScan --trace-granularity full times every layer from Python"
+
+
 def _existing_ancestor(path):
     while not os.path.exists(path):
         path = os.path.dirname(path)

@@ -2,8 +2,8 @@
 
 import torch.distributed as dist
 
-from megascan.arguments import (add_arguments, fault_injection_requested, validate_fault_injection_args,
-                                validate_trace_args)
+from megascan.arguments import (add_arguments, compose_with_cuda_graphs, fault_injection_requested,
+                                validate_fault_injection_args, validate_trace_args)
 from megascan.fault_injection import HangAtIteration, slow_down
 
 
@@ -21,6 +21,7 @@ class MegaScanPlugin:
     def validate_args(self, args):
         if args.trace:
             validate_trace_args(args)
+            compose_with_cuda_graphs(args)
         if fault_injection_requested(args):
             validate_fault_injection_args(args)
 

@@ -45,6 +45,31 @@ def _add_model_args(parser):
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
 
+def _add_kernel_args(parser):
+    g = parser.add_argument_group("attention, fusions and CUDA graphs")
+    g.add_argument("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], default="auto",
+                   help="with --transformer-impl local: auto = PyTorch's scaled_dot_product_attention picks a "
+                        "flash / cuDNN / memory-efficient kernel (or the math one); flash = only its flash kernel; "
+                        "fused = only its cuDNN and memory-efficient kernels (GPU only); unfused and local = "
+                        "megatron-core's DotProductAttention (explicit scores, masked softmax). With "
+                        "--transformer-impl transformer_engine: Transformer Engine's backends of these names")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
+                   help="do not fuse bias + GeLU (fused by torch.compile on GPU by default)")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
+                   help="do not fuse bias + dropout + residual add (fused by torch.compile on GPU by default)")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
+                   help="unfused attention only: do not use apex's fused masked softmax when apex is installed")
+    g.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default=None,
+                   help="capture each transformer layer's forward and backward as CUDA graphs after "
+                        "--cuda-graph-warmup-steps iterations (local: megatron-core's own graphs). Default: "
+                        "local on a GPU where verified (TP1, PP1, local implementation, no full "
+                        "recomputation); none otherwise; the start-up log says which and why")
+    g.add_argument("--enable-cuda-graph", action="store_true", help="same as --cuda-graph-impl local")
+    g.add_argument("--cuda-graph-scope", nargs="*", default=[], choices=["attn", "mlp"],
+                   help="parts of each layer to capture (default: the whole layer)")
+    g.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
+
+
 def _add_training_args(parser):
     g = parser.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, required=True)
@@ -159,7 +184,7 @@ def _add_logging_args(parser):
 def build_parser(prog, add_plugin_arguments=None, extra_args_provider=None):
     parser = MegatronArgumentParser(prog=prog, allow_abbrev=False,
                                     description="Megatron training on megatron-core")
-    for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_data_args,
+    for add in (_add_model_args, _add_kernel_args, _add_training_args, _add_parallel_args, _add_data_args,
                 _add_checkpoint_args, _add_logging_args):
         add(parser)
     if extra_args_provider is not None:

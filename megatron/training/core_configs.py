@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 
 
 def transformer_config(args):
@@ -37,18 +38,33 @@ def transformer_config(args):
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        # The bias-activation fusions are TorchScript that only pays off on GPU; the masked
-        # softmax fusion needs apex's kernel, which megatron-core imports without a fallback.
-        bias_activation_fusion=not on_cpu and not args.swiglu,
-        masked_softmax_fusion=not on_cpu and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None,
+        attention_backend=attention_backend_of(args),
+        # The fusions are torch.compile'd functions that pay off on GPU only. GeLU's needs a bias to
+        # fuse with; SwiGLU's is left off (not yet measured here). The masked softmax fusion (unfused
+        # attention only) needs apex's kernel, which megatron-core imports without a fallback.
+        bias_activation_fusion=not on_cpu and args.bias_gelu_fusion and not args.swiglu and args.add_bias_linear,
+        bias_dropout_fusion=not on_cpu and args.bias_dropout_fusion,
+        masked_softmax_fusion=(not on_cpu and args.masked_softmax_fusion
+                               and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None),
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         deallocate_pipeline_outputs=True,
-        cuda_graph_scope=[],  # the whole layer; the default "full" spelling warns as deprecated
+        cuda_graph_impl=args.cuda_graph_impl,
+        cuda_graph_scope=args.cuda_graph_scope,  # empty: the whole layer
+        cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
         # Pipeline p2p batched on NCCL. gloo runs a batch as separate transfers, and with the
         # interleaved schedule that gave wrong losses: one transfer at a time on CPU.
         batch_p2p_comm=not on_cpu,
     )
+
+
+def attention_backend_of(args):
+    """megatron-core's attention backend setting. With the local implementation our layer spec picks
+    the core attention (``local_layer_specs.local_core_attention``) and Transformer Engine is not
+    involved: ``local`` tells megatron-core so (it switches TE's attention environment off)."""
+    if args.transformer_impl == "local":
+        return AttnBackend.local
+    return AttnBackend[args.attention_backend]
 
 
 def ddp_config(args):

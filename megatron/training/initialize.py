@@ -29,13 +29,15 @@ def _init_process_group(args):
         )
 
 
-def set_random_seed(seed):
-    """Same seeds as Megatron-LM: each pipeline stage its own, tensor-parallel regions forked."""
+def set_random_seed(seed, cuda_graphs=False):
+    """Same seeds as Megatron-LM: each pipeline stage its own, tensor-parallel regions forked.
+
+    CUDA graphs replay dropout only from a graph-safe generator state (``cuda_graphs``)."""
     seed = seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
 
 
 def initialize_megatron(args):
@@ -52,7 +54,7 @@ def initialize_megatron(args):
         micro_batch_size=args.micro_batch_size,
         data_parallel_size=args.data_parallel_size,
     )
-    set_random_seed(args.seed)
+    set_random_seed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
 
 
 def shutdown():

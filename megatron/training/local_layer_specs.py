@@ -1,4 +1,7 @@
-"""megatron-core's local (no transformer-engine) layer specs, made to work with sequence parallelism.
+"""megatron-core's local (no transformer-engine) layer specs: our core attention, and sequence parallelism.
+
+The core attention is ``SDPAttention`` (PyTorch's fused kernels) unless ``--attention-backend``
+asks for megatron-core's unfused ``DotProductAttention``.
 
 Without apex, the local specs normalize with ``WrappedTorchNorm``, which refuses
 ``--sequence-parallel``: under sequence parallelism each tensor-parallel rank normalizes a different
@@ -8,7 +11,11 @@ megatron-core's ``finalize_model_grads`` does that for every parameter marked ``
 it into the final norm too.
 """
 
+import copy
+import functools
+
 import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import (
@@ -16,6 +23,8 @@ from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
     get_num_layers_to_build,
 )
+
+from megatron.training.sdpa_attention import SDPA_KERNELS, SDPAttention
 
 _TORCH_NORMS = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
 
@@ -46,3 +55,28 @@ def block_spec_with_torch_norms(layer_spec, config, vp_stage):
             layer_norm=SequenceParallelTorchNorm,
         ),
     )
+
+
+def local_core_attention(attention_backend):
+    """The core attention module of ``--attention-backend`` for ``--transformer-impl local``."""
+    if attention_backend in ("unfused", "local"):
+        return DotProductAttention
+    return functools.partial(SDPAttention, kernels=SDPA_KERNELS[attention_backend])
+
+
+def with_core_attention(layer_spec, attention_backend):
+    """A copy of ``layer_spec`` (module-level specs are shared) whose self-attention uses our choice."""
+    layer_spec = copy.deepcopy(layer_spec)
+    layer_spec.submodules.self_attention.submodules.core_attention = local_core_attention(attention_backend)
+    return layer_spec
+
+
+def attention_summary(args):
+    """What computes core attention in this run, for the start-up log."""
+    if args.transformer_impl != "local":
+        return f"Transformer Engine, --attention-backend {args.attention_backend}"
+    if args.attention_backend in ("unfused", "local"):
+        return "megatron-core DotProductAttention (unfused)"
+    kernels = SDPA_KERNELS[args.attention_backend]
+    return "scaled_dot_product_attention, " + (
+        "any kernel" if kernels is None else " or ".join(kernel.name.lower() for kernel in kernels))

@@ -75,6 +75,25 @@ def connect_schedule_hooks(args, model, optimizer):
         config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
 
 
+def use_fused_adam(optimizer):
+    """Switch megatron-core's PyTorch Adam fallback to PyTorch's fused (one kernel per step) update.
+
+    Without apex or Transformer Engine megatron-core builds ``torch.optim.Adam(W)`` with PyTorch's
+    default multi-tensor ``foreach`` update, several launches per parameter group and step. Called after
+    a checkpoint load, which restores the saved param groups' flags, and moves restored ``step``
+    counters to the device as the fused update requires."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = inner.optimizer
+        if not isinstance(torch_optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in torch_optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param, {})
+                if "step" in state:
+                    state["step"] = state["step"].to(device=param.device, dtype=torch.float32)
+
+
 def setup_model_and_optimizer(args, model_provider):
     model = build_model(args, model_provider)
     optimizer = get_megatron_optimizer(optimizer_config(args), model)

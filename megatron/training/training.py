@@ -16,10 +16,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.cuda_graphs import layers_run_eagerly
 from megatron.training.data import build_data_iterators
 from megatron.training.flops import training_flops_per_iteration
 from megatron.training.initialize import initialize_megatron, shutdown
-from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.local_layer_specs import attention_summary
+from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
 from megatron.training.plugins import PluginRegistry
 from megatron.training.signal_handler import SigtermAgreement
 from megatron.training.tokenizer import build_tokenizer
@@ -91,9 +93,10 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         sums = {}
-        for _ in range(iterations):
-            for name, value in reduce_reported_losses(self._run_schedule(data_iterator, forward_only=True)).items():
-                sums[name] = sums.get(name, 0.0) + value
+        with layers_run_eagerly(self.model):
+            for _ in range(iterations):
+                for name, value in reduce_reported_losses(self._run_schedule(data_iterator, forward_only=True)).items():
+                    sums[name] = sums.get(name, 0.0) + value
         for chunk in self.model:
             chunk.train()
         return {name: float(total) / iterations for name, total in sums.items()}
@@ -162,12 +165,15 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(model_provider, args))
     state = TrainingState()
     state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)
+    if args.device == "cuda":
+        use_fused_adam(optimizer)
     print_rank_0(f"setup done in {time.time() - start:.1f} s: {args.world_size} ranks = "
                  f"TP{args.tensor_model_parallel_size} x PP{args.pipeline_model_parallel_size} x "
                  f"DP{args.data_parallel_size} on {args.device}, "
                  f"{sum(p.numel() for chunk in model for p in chunk.parameters()) / 1e6:.2f} M "
                  f"parameters on rank 0, "
-                 f"starting at iteration {state.iteration}")
+                 f"starting at iteration {state.iteration}; attention: {attention_summary(args)}; "
+                 f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})")
     registry.call("after_setup", args, model, optimizer, scheduler)
     iterators = _build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
     trainer = Trainer(args, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
