@@ -25,6 +25,8 @@ CASES = {
         MOCK + ["--num-layers-per-virtual-pipeline-stage", "1"], {},
         "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     "bf16 and fp16 together": (MOCK + ["--bf16", "--fp16"], {}, "--bf16 and --fp16 are mutually exclusive"),
+    "tensorboard interval of 0": (MOCK + ["--tensorboard-log-interval", "0"], {},
+                                  "--tensorboard-log-interval must be >= 1"),
     "no data": (["--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},
                 "give --data-path <prefix>"),
     "missing dataset files": (

@@ -156,11 +156,25 @@ def _add_logging_args(parser):
                    help="accepted for Megatron-LM compatibility: throughput is always logged")
 
 
+def _add_tensorboard_args(parser):
+    g = parser.add_argument_group("TensorBoard")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write the log line's scalars as TensorBoard event files here (last rank); "
+                        "open with `tensorboard --logdir DIR`")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="iterations between per-iteration scalars (losses, learning rate, grad norm, batch size)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="scalars the writer queues before it writes them to disk")
+    for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard"):
+        g.add_argument(flag, action="store_true",
+                       help="accepted for Megatron-LM compatibility: always written with --tensorboard-dir")
+
+
 def build_parser(prog, add_plugin_arguments=None, extra_args_provider=None):
     parser = MegatronArgumentParser(prog=prog, allow_abbrev=False,
                                     description="Megatron training on megatron-core")
     for add in (_add_model_args, _add_training_args, _add_parallel_args, _add_data_args,
-                _add_checkpoint_args, _add_logging_args):
+                _add_checkpoint_args, _add_logging_args, _add_tensorboard_args):
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)

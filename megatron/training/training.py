@@ -22,6 +22,7 @@ from megatron.training.initialize import initialize_megatron, shutdown
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.plugins import PluginRegistry
 from megatron.training.signal_handler import SigtermAgreement
+from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import TrainingLog, log_evaluation, print_rank_0
 from megatron.training.validate_args import validate_args
@@ -63,6 +64,7 @@ class Trainer:
             args, registry.forward_backward_func(args, get_forward_backward_func()))
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
         self.sigterm = SigtermAgreement()
+        self.tensorboard = TensorBoardLog.for_this_rank(args)  # None unless this rank writes
 
     def _run_schedule(self, data_iterator, forward_only):
         return self.forward_backward(
@@ -106,7 +108,7 @@ class Trainer:
     def train(self, state, train_iterator, valid_iterator):
         """Iterate until --train-iters, SIGTERM or --exit-interval; save at the end when --save."""
         args = self.args
-        log = TrainingLog(args, self.flops_per_iteration)
+        log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
         while state.iteration < args.train_iters:
             self.registry.call("on_iteration_begin", args, state.iteration + 1)
             losses, grad_norm, skipped = self.train_step(train_iterator)
@@ -116,7 +118,8 @@ class Trainer:
             log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
                 self.optimizer.param_groups[0]))
             if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
-                log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters))
+                log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters),
+                               self.tensorboard)
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 self.save(state)
             if self.sigterm.any_rank_received():
@@ -127,6 +130,11 @@ class Trainer:
                 break
         if args.save and state.last_saved_iteration != state.iteration:
             self.save(state)
+
+    def close(self, iteration):
+        """Write what TensorBoard still holds (a run stopped early included)."""
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samples):
@@ -185,6 +193,8 @@ def pretrain(argv, **entry_point):
     trainer.train(state, job.train_iterator, job.valid_iterator)
     finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval
     if finished and job.test_iterator is not None and args.eval_iters > 0:
-        log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters))
+        log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters),
+                       trainer.tensorboard)
+    trainer.close(state.iteration)
     trainer.registry.call("on_train_end", args, state.iteration)
     shutdown()

@@ -151,6 +151,13 @@ def _validate_data(args):
     _require(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")
 
 
+def _validate_tensorboard(args):
+    _require(args.tensorboard_log_interval >= 1, "--tensorboard-log-interval must be >= 1")
+    _require(args.tensorboard_queue_size >= 1, "--tensorboard-queue-size must be >= 1")
+    _require(args.tensorboard_dir is None or not os.path.exists(args.tensorboard_dir)
+             or os.path.isdir(args.tensorboard_dir), f"--tensorboard-dir {args.tensorboard_dir} is not a directory")
+
+
 def validate_args(args, world_size=None):
     """Check ``args`` for a launch of ``world_size`` processes and fill in derived values."""
     if world_size is None:
@@ -162,4 +169,5 @@ def validate_args(args, world_size=None):
     _validate_precision_and_device(args)
     _validate_schedule(args)
     _validate_data(args)
+    _validate_tensorboard(args)
     return args
