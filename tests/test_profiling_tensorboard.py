@@ -1,5 +1,7 @@
-"""--tensorboard-dir writes the log line's scalars (read back from the event files)."""
+"""--tensorboard-dir writes the log line's scalars (read back from the event files) and
+--profile --use-pytorch-profiler writes a trace and a summary for the profiled ranks only."""
 
+import json
 import re
 
 import pytest
@@ -44,6 +46,30 @@ def test_scalars_of_the_log_line_and_the_evaluations_are_written_by_the_last_ran
     test_loss = float(re.search(r"test loss at iteration 5 \| lm loss value: (\S+)", result.stdout).group(1))
     assert scalars["lm loss test"][5] == pytest.approx(test_loss, rel=1e-5)
     assert set(scalars["batch-size"].values()) == {8} and set(scalars["skipped-iterations"].values()) == {0}
+
+
+def test_pytorch_profiler_writes_a_trace_and_a_summary_for_the_chosen_rank_only(gpt_data, tmp_path):
+    result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
+        "--train-iters", "4", "--profile", "--use-pytorch-profiler", "--profile-step-start", "2",
+        "--profile-step-end", "4", "--profile-ranks", "1",
+        "--tensorboard-dir", tmp_path, "--tensorboard-log-interval", "2"])
+    assert_succeeded(result)
+    traces = list(tmp_path.glob("*.pt.trace.json"))
+    assert [t.name.split(".")[0] for t in traces] == ["rank1"], traces
+    trace = traces[0]
+    assert f"rank 1: torch.profiler trace of iterations 2-3 written to {trace}" in result.stdout
+
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    assert len(steps) == 2  # iterations 2 and 3: [start, end)
+    assert any(e.get("name") == "aten::mm" for e in events)
+
+    summary = trace.with_name(trace.name.replace(".pt.trace.json", ".summary.txt")).read_text()
+    assert summary.startswith("torch.profiler on rank 1, iterations 2-3: top operators by self CPU time")
+    assert "Self CPU" in summary and "aten::mm" in summary
+
+    scalars = _scalars(tmp_path)  # the trace shares the directory with the scalars
+    assert sorted(scalars["lm loss"]) == [2, 4] and sorted(scalars["iteration-time"]) == [1, 2, 3, 4]
 
 
 def test_sigterm_writes_the_pending_scalars_before_exit(tmp_path):

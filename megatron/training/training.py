@@ -21,6 +21,7 @@ from megatron.training.flops import training_flops_per_iteration
 from megatron.training.initialize import initialize_megatron, shutdown
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.plugins import PluginRegistry
+from megatron.training.profiling import build_profiler
 from megatron.training.signal_handler import SigtermAgreement
 from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
@@ -64,6 +65,7 @@ class Trainer:
             args, registry.forward_backward_func(args, get_forward_backward_func()))
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
         self.sigterm = SigtermAgreement()
+        self.profiler = build_profiler(args)  # None unless this rank profiles
         self.tensorboard = TensorBoardLog.for_this_rank(args)  # None unless this rank writes
 
     def _run_schedule(self, data_iterator, forward_only):
@@ -110,6 +112,8 @@ class Trainer:
         args = self.args
         log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
         while state.iteration < args.train_iters:
+            if self.profiler is not None:
+                self.profiler.iteration_begin(state.iteration + 1)
             self.registry.call("on_iteration_begin", args, state.iteration + 1)
             losses, grad_norm, skipped = self.train_step(train_iterator)
             state.iteration += 1
@@ -117,6 +121,8 @@ class Trainer:
                                {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
             log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
                 self.optimizer.param_groups[0]))
+            if self.profiler is not None:
+                self.profiler.iteration_end(state.iteration)
             if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
                 log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters),
                                self.tensorboard)
@@ -132,7 +138,9 @@ class Trainer:
             self.save(state)
 
     def close(self, iteration):
-        """Write what TensorBoard still holds (a run stopped early included)."""
+        """Write what the profiler and TensorBoard still hold (a run stopped early included)."""
+        if self.profiler is not None:
+            self.profiler.close(iteration)
         if self.tensorboard is not None:
             self.tensorboard.close()
 
