@@ -25,6 +25,21 @@ CASES = {
         MOCK + ["--num-layers-per-virtual-pipeline-stage", "1"], {},
         "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"),
     "bf16 and fp16 together": (MOCK + ["--bf16", "--fp16"], {}, "--bf16 and --fp16 are mutually exclusive"),
+    "empty profiling window": (
+        MOCK + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "3", "--profile-step-end", "3"], {},
+        "--profile-step-start 3 must be >= 1 and below --profile-step-end 3"),
+    "profiling window past the run": (
+        MOCK + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "5"], {},
+        "--profile-step-end 5 exceeds --train-iters 3"),
+    "profiled rank outside the job": (
+        MOCK + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1", "--profile-step-end", "2",
+                "--profile-ranks", "0", "2"], {"WORLD_SIZE": "2"},
+        "--profile-ranks 2: not a rank of this job (world size 2)"),
+    "nsys profiling on CPU": (
+        MOCK + ["--profile", "--profile-step-start", "1", "--profile-step-end", "2"], {},
+        "on CPU add --use-pytorch-profiler"),
+    "tensorboard interval of 0": (MOCK + ["--tensorboard-log-interval", "0"], {},
+                                  "--tensorboard-log-interval must be >= 1"),
     "no data": (["--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},
                 "give --data-path <prefix>"),
     "missing dataset files": (

@@ -7,6 +7,7 @@ through the registry in ``plugins.py``.
 import argparse
 
 from megatron.training.errors import ArgumentError
+from megatron.training.profiling import DEFAULT_PROFILE_DIR
 
 
 class MegatronArgumentParser(argparse.ArgumentParser):
@@ -181,11 +182,38 @@ def _add_logging_args(parser):
                    help="accepted for Megatron-LM compatibility: throughput is always logged")
 
 
+def _add_profiling_and_tensorboard_args(parser):
+    g = parser.add_argument_group("profiling and TensorBoard")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations [--profile-step-start, --profile-step-end) of the --profile-ranks: "
+                        "torch.profiler with --use-pytorch-profiler, else a CUDA profiler capture range for "
+                        "`nsys profile --capture-range=cudaProfilerApi`")
+    g.add_argument("--profile-step-start", type=int, default=10,
+                   help="first profiled iteration, numbered as in the log line (from 1); default 10")
+    g.add_argument("--profile-step-end", type=int, default=12,
+                   help="the iteration after the last profiled one, at most --train-iters; default 12")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=[0], help="global ranks to profile; default 0")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch.profiler; writes rank<R>.<time>.pt.trace.json (Chrome trace "
+                        "JSON, for Perfetto) and rank<R>.<time>.summary.txt (the top operators) into "
+                        f"--tensorboard-dir, else {DEFAULT_PROFILE_DIR}/")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="write the log line's scalars as TensorBoard event files here (last rank); "
+                        "open with `tensorboard --logdir DIR`")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="iterations between per-iteration scalars (losses, learning rate, grad norm, batch size)")
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000,
+                   help="scalars the writer queues before it writes them to disk")
+    for flag in ("--log-timers-to-tensorboard", "--log-memory-to-tensorboard", "--log-validation-ppl-to-tensorboard"):
+        g.add_argument(flag, action="store_true",
+                       help="accepted for Megatron-LM compatibility: always written with --tensorboard-dir")
+
+
 def build_parser(prog, add_plugin_arguments=None, extra_args_provider=None):
     parser = MegatronArgumentParser(prog=prog, allow_abbrev=False,
                                     description="Megatron training on megatron-core")
     for add in (_add_model_args, _add_kernel_args, _add_training_args, _add_parallel_args, _add_data_args,
-                _add_checkpoint_args, _add_logging_args):
+                _add_checkpoint_args, _add_logging_args, _add_profiling_and_tensorboard_args):
         add(parser)
     if extra_args_provider is not None:
         extra_args_provider(parser)

@@ -23,7 +23,9 @@ from megatron.training.initialize import initialize_megatron, shutdown
 from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
 from megatron.training.plugins import PluginRegistry
+from megatron.training.profiling import build_profiler
 from megatron.training.signal_handler import SigtermAgreement
+from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import TrainingLog, log_evaluation, print_rank_0
 from megatron.training.validate_args import validate_args
@@ -65,6 +67,8 @@ class Trainer:
             args, registry.forward_backward_func(args, get_forward_backward_func()))
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
         self.sigterm = SigtermAgreement()
+        self.profiler = build_profiler(args)  # None unless this rank profiles
+        self.tensorboard = TensorBoardLog.for_this_rank(args)  # None unless this rank writes
 
     def _run_schedule(self, data_iterator, forward_only):
         return self.forward_backward(
@@ -109,8 +113,10 @@ class Trainer:
     def train(self, state, train_iterator, valid_iterator):
         """Iterate until --train-iters, SIGTERM or --exit-interval; save at the end when --save."""
         args = self.args
-        log = TrainingLog(args, self.flops_per_iteration)
+        log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
         while state.iteration < args.train_iters:
+            if self.profiler is not None:
+                self.profiler.iteration_begin(state.iteration + 1)
             self.registry.call("on_iteration_begin", args, state.iteration + 1)
             losses, grad_norm, skipped = self.train_step(train_iterator)
             state.iteration += 1
@@ -118,8 +124,11 @@ class Trainer:
                                {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
             log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
                 self.optimizer.param_groups[0]))
+            if self.profiler is not None:
+                self.profiler.iteration_end(state.iteration)
             if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
-                log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters))
+                log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters),
+                               self.tensorboard)
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 self.save(state)
             if self.sigterm.any_rank_received():
@@ -130,6 +139,13 @@ class Trainer:
                 break
         if args.save and state.last_saved_iteration != state.iteration:
             self.save(state)
+
+    def close(self, iteration):
+        """Write what the profiler and TensorBoard still hold (a run stopped early included)."""
+        if self.profiler is not None:
+            self.profiler.close(iteration)
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
 
 def _build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samples):
@@ -191,6 +207,8 @@ def pretrain(argv, **entry_point):
     trainer.train(state, job.train_iterator, job.valid_iterator)
     finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval
     if finished and job.test_iterator is not None and args.eval_iters > 0:
-        log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters))
+        log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters),
+                       trainer.tensorboard)
+    trainer.close(state.iteration)
     trainer.registry.call("on_train_end", args, state.iteration)
     shutdown()

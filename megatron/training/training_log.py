@@ -1,7 +1,8 @@
 """Progress lines of training and evaluation, in Megatron-LM's format, printed by the last rank.
 
 The last rank holds the loss (last pipeline stage). Losses stay on the device between log lines:
-one ``.item()`` per log interval, not per iteration.
+one ``.item()`` per log interval, not per iteration. With --tensorboard-dir the same values also
+go to TensorBoard (``tensorboard_log.py``).
 """
 
 import math
@@ -16,26 +17,32 @@ def print_rank_0(message):
         print(message, flush=True)
 
 
-def _is_last_rank():
+def is_last_rank():
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
 def print_last_rank(message):
-    if _is_last_rank():
+    if is_last_rank():
         print(message, flush=True)
 
 
-def peak_memory_text(device):
+def peak_memory(device):
+    """(log-line label, TensorBoard tag, bytes) of this process's peak memory so far."""
     if device == "cuda":
-        return f"peak memory (MB): {torch.cuda.max_memory_allocated() / 2**20:.0f}"
-    return f"peak host RSS (MB): {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f}"
+        return "peak memory (MB)", "mem-max-allocated-bytes", torch.cuda.max_memory_allocated()
+    return "peak host RSS (MB)", "peak-host-rss-bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def perplexity(loss):
+    return math.exp(min(20.0, loss))  # capped: an early loss would overflow
 
 
 class TrainingLog:
     """Accumulates per-iteration results and prints one line every ``--log-interval``."""
 
-    def __init__(self, args, flops_per_iteration):
+    def __init__(self, args, flops_per_iteration, tensorboard=None):
         self.args = args
+        self.tensorboard = tensorboard  # a TensorBoardLog on the last rank with --tensorboard-dir, else None
         self.flops_per_iteration = flops_per_iteration
         self.window_start = time.time()
         self.window_iterations = 0
@@ -52,8 +59,10 @@ class TrainingLog:
         for name, value in losses.items():
             self.loss_sums[name] = self.loss_sums.get(name, 0.0) + value
         self.grad_norm = grad_norm
+        if self.tensorboard is not None:
+            self.tensorboard.record_iteration(iteration, losses, grad_norm, learning_rate)
         if iteration % self.args.log_interval == 0:
-            if _is_last_rank():  # the others only start a new window: no host sync, no string work
+            if is_last_rank():  # the others only start a new window: no host sync, no string work
                 self._emit(iteration)
             self.window_start, self.window_iterations, self.skipped, self.loss_sums = time.time(), 0, 0, {}
 
@@ -63,6 +72,7 @@ class TrainingLog:
         per_iteration = elapsed / max(self.window_iterations, 1)
         tokens_per_s = args.global_batch_size * args.seq_length / per_iteration
         tflops_per_gpu = self.flops_per_iteration / per_iteration / args.world_size / 1e12
+        memory_label, memory_tag, memory_bytes = peak_memory(args.device)
         averages = {name: float(total) / self.window_iterations for name, total in self.loss_sums.items()}
         parts = [
             f"iteration {iteration:8d}/{args.train_iters:8d}",
@@ -76,13 +86,19 @@ class TrainingLog:
         parts += [f"{name}: {value:.6E}" for name, value in averages.items()]
         if self.grad_norm is not None:
             parts.append(f"grad norm: {self.grad_norm:.3f}")
-        parts += [f"number of skipped iterations: {self.skipped:3d}", peak_memory_text(args.device)]
+        parts += [f"number of skipped iterations: {self.skipped:3d}", f"{memory_label}: {memory_bytes / 2**20:.0f}"]
         print(" " + " | ".join(parts), flush=True)
+        if self.tensorboard is not None:
+            self.tensorboard.write_log_line(iteration, {
+                "iteration-time": per_iteration, "throughput": tflops_per_gpu, "tokens-per-second": tokens_per_s,
+                "skipped-iterations": self.skipped, memory_tag: memory_bytes})
 
 
-def log_evaluation(label, iteration, losses):
+def log_evaluation(label, iteration, losses, tensorboard=None):
     parts = [f"{label} loss at iteration {iteration}"]
     for name, value in losses.items():
-        parts.append(f"{name} value: {value:.6E} | {name} PPL: {math.exp(min(20.0, value)):.6E}")
+        parts.append(f"{name} value: {value:.6E} | {name} PPL: {perplexity(value):.6E}")
     line = " | ".join(parts)
     print_last_rank("-" * (len(line) + 1) + "\n " + line + "\n" + "-" * (len(line) + 1))
+    if tensorboard is not None:
+        tensorboard.write_evaluation(label, iteration, losses)

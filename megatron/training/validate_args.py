@@ -202,6 +202,23 @@ def _validate_data(args):
     _require(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")
 
 
+def _validate_profiling_and_tensorboard(args):
+    if args.profile:
+        start, end = args.profile_step_start, args.profile_step_end
+        _require(1 <= start < end, f"--profile-step-start {start} must be >= 1 and below --profile-step-end {end}")
+        _require(end <= args.train_iters, f"--profile-step-end {end} exceeds --train-iters {args.train_iters}")
+        outside = [rank for rank in args.profile_ranks if not 0 <= rank < args.world_size]
+        _require(not outside, f"--profile-ranks {' '.join(map(str, outside))}: not a rank of this job "
+                              f"(world size {args.world_size})")
+        _require(args.use_pytorch_profiler or args.device == "cuda",
+                 "--profile without --use-pytorch-profiler opens a CUDA profiler range for nsys; "
+                 "on CPU add --use-pytorch-profiler")
+    _require(args.tensorboard_log_interval >= 1, "--tensorboard-log-interval must be >= 1")
+    _require(args.tensorboard_queue_size >= 1, "--tensorboard-queue-size must be >= 1")
+    _require(args.tensorboard_dir is None or not os.path.exists(args.tensorboard_dir)
+             or os.path.isdir(args.tensorboard_dir), f"--tensorboard-dir {args.tensorboard_dir} is not a directory")
+
+
 def validate_args(args, world_size=None):
     """Check ``args`` for a launch of ``world_size`` processes and fill in derived values."""
     if world_size is None:
@@ -213,4 +230,5 @@ def validate_args(args, world_size=None):
     _validate_precision_and_device(args)
     _validate_schedule(args)
     _validate_data(args)
+    _validate_profiling_and_tensorboard(args)
     return args
