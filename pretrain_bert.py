@@ -23,6 +23,17 @@ from megatron.training.local_layer_specs import with_core_attention
 from megatron.training.training import pretrain
 
 
+class LocalBertModel(BertModel):
+    """megatron-core's BertModel with any local core attention.
+
+    BertModel picks its mask layout by asking whether the core attention is its own
+    DotProductAttention, and otherwise assumes Transformer Engine (whose version it then reads).
+    The local core attentions, ours (SDPAttention) included, take megatron-core's [b, 1, s, s] mask."""
+
+    def _sanity_check_attention_and_get_attn_mask_dimension(self):
+        return "b1ss"
+
+
 def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
     config = transformer_config(args)
     if args.transformer_impl == "transformer_engine":
@@ -35,7 +46,8 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
             raise ArgumentError("--sequence-parallel with BERT needs apex or --transformer-impl "
                                 "transformer_engine; drop --sequence-parallel")
         layer_spec = with_core_attention(bert_layer_local_spec, args.attention_backend)
-    return BertModel(config=config, transformer_layer_spec=layer_spec,
+    model_class = BertModel if args.transformer_impl == "transformer_engine" else LocalBertModel
+    return model_class(config=config, transformer_layer_spec=layer_spec,
                      num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head,
                      **language_model_kwargs(args, pre_process, post_process, vp_stage))
 

@@ -21,14 +21,18 @@ def main():
     args = parser.parse_args()
     with open(args.log) as f:
         times = {int(i): float(ms) for i, ms in ITERATION_TIME.findall(f.read())}
-    window = range(args.profile_step_start, args.profile_step_end + 1)  # + the iteration that stops it
-    others = [ms for i, ms in times.items() if i >= 5 and i not in window and i != args.profile_step_start - 1]
+    recorded = range(args.profile_step_start, args.profile_step_end)
+    stopping = args.profile_step_end  # its log line carries the profiler's stop and the trace's export
+    others = [ms for i, ms in times.items()
+              if i >= 5 and i not in recorded and i not in (stopping, args.profile_step_start - 1)]
     baseline = statistics.median(others)
-    extra = sum(times[i] for i in window) - baseline * len(window)
-    profiled = args.profile_step_end - args.profile_step_start
-    print(f"{args.log}: unprofiled {baseline:.1f} ms/iteration (median of {len(others)}); profiled window "
-          f"+{extra / profiled:.1f} ms per profiled iteration = {extra / profiled / baseline * 100:+.1f} % "
-          f"(stop and export included)")
+    recording = statistics.mean(times[i] for i in recorded) - baseline
+    stop = times[stopping] - baseline
+    with_stop = recording + stop / len(recorded)
+    print(f"{args.log}: unprofiled {baseline:.1f} ms/iteration (median of {len(others)}); a profiled iteration "
+          f"+{recording:.1f} ms ({recording / baseline * 100:+.1f} %) while recording, stop and export "
+          f"+{stop:.1f} ms; with the stop spread over the window {with_stop / baseline * 100:+.1f} % per "
+          f"profiled iteration")
 
 
 if __name__ == "__main__":

@@ -38,6 +38,15 @@ CASES = {
     "nsys profiling on CPU": (
         MOCK + ["--profile", "--profile-step-start", "1", "--profile-step-end", "2"], {},
         "on CPU add --use-pytorch-profiler"),
+    "fused attention on CPU": (MOCK + ["--attention-backend", "fused"], {},
+                               "--attention-backend fused (cuDNN / memory-efficient kernels) needs --device cuda"),
+    "flash attention with dropout on CPU": (
+        MOCK + ["--attention-backend", "flash", "--attention-dropout", "0.1"], {},
+        "--attention-backend flash on CPU has no attention dropout"),
+    "CUDA graphs on CPU": (MOCK + ["--enable-cuda-graph"], {}, "--cuda-graph-impl local needs --device cuda"),
+    "two CUDA graph flags that disagree": (
+        MOCK + ["--enable-cuda-graph", "--cuda-graph-impl", "none"], {},
+        "--enable-cuda-graph means --cuda-graph-impl local; give only one of them"),
     "tensorboard interval of 0": (MOCK + ["--tensorboard-log-interval", "0"], {},
                                   "--tensorboard-log-interval must be >= 1"),
     "no data": (["--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},

@@ -28,6 +28,7 @@ LAYOUTS = {
     "tp2_sequence_parallel": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2_recompute_full": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
+    "tp2_recompute_selective": (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity", "selective"]),
 }
 
 
