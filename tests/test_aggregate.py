@@ -243,6 +243,22 @@ def test_cli_writes_outputs_atomically_and_summarises(tmp_path, capsys):
     assert json.loads((tmp_path / "trace" / "benchmark.json").read_text())["otherData"]["reference_rank"] == 0
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_cli_outputs_follow_the_umask(tmp_path, umask):
+    # On a shared cluster teammates open the merged trace and the report: their mode is the user's
+    # usual one (0666 less the umask), not the 0600 of a temporary file.
+    write_run(tmp_path / "trace")
+    outputs = [tmp_path / "merged.json", tmp_path / "trace.db", tmp_path / "report.json"]
+    previous = os.umask(umask)
+    try:
+        assert main(["-b", str(tmp_path / "trace"), "-o", str(outputs[0]), "--sqlite", str(outputs[1]),
+                     "--report-json", str(outputs[2])]) == 0
+    finally:
+        os.umask(previous)
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in outputs} == {
+        path.name: oct(0o666 & ~umask) for path in outputs}
+
+
 def test_cli_detection_report_json(tmp_path, capsys):
     pytest.importorskip("megascan.detection")
     write_run(tmp_path)
