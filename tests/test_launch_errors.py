@@ -4,7 +4,7 @@ import concurrent.futures
 
 import pytest
 
-from launch import REPO, TINY_GPT, gpt_data_args, run_script
+from launch import REPO, TINY_GPT, gpt_data_args, run_script, torchrun
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
 
@@ -77,3 +77,28 @@ def test_split_without_documents_is_named(gpt_data):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--split 969,30,1: the test split of" in lines[0] and "gets none of its 197" in lines[0]
+
+
+def _error_lines(result, prog):
+    return [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+
+
+def test_launch_error_is_printed_when_rank_0_is_stopped_before_its_check(tmp_path):
+    # Rank 1 fails its check and exits while rank 0 is still before it; torchrun then stops rank 0.
+    env = {"MEGATRON_PLUGINS": "late_rank_zero_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+    result = torchrun(2, "pretrain_gpt.py", TINY_GPT + MOCK + ["--fail-checks-except-on-rank-0"], env=env, timeout=300)
+    assert result.returncode != 0
+    assert _error_lines(result, "pretrain_gpt.py") == [
+        "pretrain_gpt.py: error: late_rank_zero_plugin: this rank's flags are wrong"], result.stderr
+
+
+def test_launch_error_appears_in_every_launch_whole_and_alike():
+    # Every rank fails at once; whichever exits first, torchrun stops the others, in each launch.
+    launches, ranks = 12, 4
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda _: torchrun(ranks, "tests/launch_error_entry.py", [], timeout=120),
+                                range(launches)))
+    expected = "launch_error_entry.py: error: --trace-dir /tmp/a_file exists and is not a directory"
+    for result in results:
+        lines = _error_lines(result, "launch_error_entry.py")
+        assert result.returncode != 0 and 1 <= len(lines) <= ranks and set(lines) == {expected}, result.stderr
