@@ -62,13 +62,19 @@ def test_mistake_gives_one_clear_line(case, results):
     assert lines[0].startswith("pretrain_gpt.py: error: ") and expected in lines[0], lines[0]
 
 
-def test_corrupt_checkpoint_tracker_is_named(tmp_path):
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("not-a-number")
+@pytest.mark.parametrize("content, shown", [(b"not-a-number", "'not-a-number'"),
+                                            (b"\x00\x9f\xff\x02", "b'\\x00\\x9f\\xff\\x02'")])
+def test_corrupt_checkpoint_tracker_is_named_with_the_iterations_to_load_instead(tmp_path, content, shown):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(content)
+    for iteration in (10, 20):
+        (tmp_path / f"iter_{iteration:07d}").mkdir()
     result = _run(MOCK + ["--load", str(tmp_path)], {})
     assert result.returncode == 2
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
     assert result.stderr.strip().splitlines() == [
-        f"pretrain_gpt.py: error: --load: {tmp_path}/latest_checkpointed_iteration.txt should hold an "
-        f"iteration number but holds 'not-a-number'"]
+        f"pretrain_gpt.py: error: --load: {tracker} should hold an iteration number but holds {shown}; "
+        f"iterations saved there: 10, 20; write one of them into {tracker} to resume from it, or remove "
+        f"--load to train from scratch"]
 
 
 def test_split_without_documents_is_named(gpt_data):
