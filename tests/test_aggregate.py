@@ -17,6 +17,7 @@ from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
+from megascan.detection import detect
 from synthetic_traces import op_key, read_lines, write_lines, write_run
 
 # DP2 x PP2 x TP2, 4 layers, 4 microbatches, windows (4, 5) and (9, 10). Per iteration: 4 TP all-reduces
@@ -144,6 +145,32 @@ def test_cut_last_line_and_file_without_metadata_are_skipped_and_said(tmp_path):
     # Rank 3 never recorded window 1: its partners there find it missing.
     partner_of_3 = [i for i in merged.instances if 2 in i.records and i.role == "tp" and i.iteration == 9]
     assert partner_of_3 and all(i.missing == [3] for i in partner_of_3)
+
+
+def test_detection_names_the_ranks_it_could_not_judge_beside_its_verdict(tmp_path, capsys):
+    run = write_run(tmp_path)
+    os.remove(run.path(5))  # DP0-PP1-TP1: no file
+    _strip_collectives(run.path(6))  # DP1-PP1-TP0: shares no collective, so on an unknown clock
+    report = detect(load_and_merge(tmp_path))
+    assert report.suspects == [] and report.unjudged == [
+        {"who": "DP0-PP1-TP1", "why": "no usable trace (benchmark-data-0-pipeline-1-tensor-1.json: no such file)"},
+        {"who": "rank 6", "why": "not aligned, so not merged: shares no collective with rank 0 or the ranks aligned "
+                                 "to it"}]
+    assert main(["-b", str(tmp_path), "-d"]) == 0
+    text = capsys.readouterr().out
+    assert text[text.index("MegaScan detection"):].splitlines()[:4] == [
+        "MegaScan detection: no suspect among the 6 ranks judged (no rank is slow, no link is slow, no rank hung).",
+        "Not judged (no verdict on them):",
+        "   DP0-PP1-TP1: no usable trace (benchmark-data-0-pipeline-1-tensor-1.json: no such file)",
+        "   rank 6: not aligned, so not merged: shares no collective with rank 0 or the ranks aligned to it"]
+
+
+def test_detection_says_which_iterations_a_cut_trace_leaves_unjudged(tmp_path):
+    run = write_run(tmp_path)
+    data = open(run.path(3), "rb").read()
+    open(run.path(3), "wb").write(data[:len(data) - 5000])  # killed while writing its last window line
+    assert detect(load_and_merge(tmp_path)).unjudged == [
+        {"who": "rank 3 (DP1-PP0-TP1)", "why": "its trace ends early (cut off): no verdict on it for iterations 9, 10"}]
 
 
 def test_window_line_with_an_unusable_op_is_skipped_and_said(tmp_path):

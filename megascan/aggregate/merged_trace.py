@@ -7,7 +7,7 @@ absent from ``ranks`` and from every instance's ``records``: its times would be 
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
@@ -61,6 +61,7 @@ class MergedTrace:
     instances: list  # OpInstance, ids 0..n-1 in this order
     problems: list  # what was missing, cut off, ignored or not aligned, one line each
     reference_rank: int = None  # whose clock is global time
+    absent: dict = field(default_factory=dict)  # layout position (DP0-PP1-TP1) without a usable trace -> why
 
     @cached_property
     def _ranks_by_coords(self):
@@ -145,4 +146,4 @@ def load_and_merge(directory):
     ranks = {rank: _rank_trace(files[rank], clock) for rank, clock in sorted(alignment.clocks.items())}
     return MergedTrace(run_id=loaded.run_id, layout=loaded.layout, ranks=ranks, unaligned=alignment.unaligned,
                        instances=_keep_aligned(instances, ranks), problems=problems,
-                       reference_rank=alignment.reference_rank)
+                       reference_rank=alignment.reference_rank, absent=loaded.absent)
