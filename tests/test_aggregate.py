@@ -79,24 +79,47 @@ def test_injected_clock_offsets_and_drift_are_recovered(tmp_path):
     assert max(abs(offset) for _, offset in clocks.values()) > 1000 * ALIGNMENT_TOLERANCE_US
 
 
-def test_chrome_trace_has_a_process_per_rank_separate_tracks_and_paired_flows(tmp_path):
+def test_chrome_trace_lists_ranks_in_layout_order_with_the_same_tracks_as_perfetto_orders_them(tmp_path):
+    # What the Perfetto UI (v52) does with the file, checked by hand (docs/megascan_aggregate.md): it
+    # orders processes by activity, whatever their sort index, and the threads of a process by tid; it
+    # lists the thread whose tid is the pid first, as the main thread, and moves tid 0's slices onto it.
     write_run(tmp_path)
     merged = load_and_merge(tmp_path)
     output = tmp_path / "benchmark.json"
     write_chrome_trace(merged, output)
     events = json.loads(output.read_text())["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert names[5] == "DP0-PP1-TP1 (rank 5)" and len(names) == 8
-    order = sorted(names, key=lambda pid: next(e["args"]["sort_index"] for e in events
-                                               if e["name"] == "process_sort_index" and e["pid"] == pid))
-    assert order == [0, 1, 4, 5, 2, 3, 6, 7]  # DP, then PP, then TP
+    assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == [
+        "MegaScan run 20261122-051355-3fa2c1 (DP2 x PP2 x TP2)"]
+    pid = events[0]["pid"]
+    assert {e["pid"] for e in events} == {pid}
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert 0 not in threads and pid not in threads
+    assert {e["tid"]: e["args"]["sort_index"] for e in events if e["name"] == "thread_sort_index"} == {
+        tid: tid for tid in threads}
+    label = [name.split(") ")[0] + ")" for _, name in sorted(threads.items())]
+    assert list(dict.fromkeys(label)) == [  # DP, then PP, then TP
+        "DP0-PP0-TP0 (rank 0)", "DP0-PP0-TP1 (rank 1)", "DP0-PP1-TP0 (rank 4)", "DP0-PP1-TP1 (rank 5)",
+        "DP1-PP0-TP0 (rank 2)", "DP1-PP0-TP1 (rank 3)", "DP1-PP1-TP0 (rank 6)", "DP1-PP1-TP1 (rank 7)"]
+    tracks = {}
+    for tid, name in sorted(threads.items()):
+        rank_label, track = name.split(") ", 1)
+        tracks.setdefault(rank_label, []).append(track)
+    assert all(names == ["compute", "compute (depth 1)", "compute (depth 2)", "collectives", "p2p"]
+               for names in tracks.values()), tracks
+
+
+def test_chrome_trace_has_separate_tracks_and_paired_flows(tmp_path):
+    write_run(tmp_path)
+    merged = load_and_merge(tmp_path)
+    output = tmp_path / "benchmark.json"
+    write_chrome_trace(merged, output)
+    events = json.loads(output.read_text())["traceEvents"]
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert {"compute", "compute (depth 1)", "compute (depth 2)", "collectives", "p2p"} <= set(threads.values())
     slices = [e for e in events if e["ph"] == "X"]
     assert min(e["ts"] for e in slices) == 0.0
     by_track = {}
     for e in slices:
-        family = threads[e["pid"], e["tid"]].split()[0]
+        family = threads[e["pid"], e["tid"]].split(") ")[1].split()[0]
         assert family == {"compute": "compute", "collective": "collectives", "p2p": "p2p"}[e["cat"]]
         by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
     for spans in by_track.values():  # no track holds overlapping slices
