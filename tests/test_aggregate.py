@@ -28,6 +28,7 @@ from synthetic_traces import op_key, read_lines, write_lines, write_run
 COLLECTIVES = 4 * (4 * 2 * 4 * 4 + 4 + 4 + 2)
 TRANSFERS = 4 * 4 * 2 * 4
 ALIGNMENT_TOLERANCE_US = 3.0  # finishes jitter by 0.5 us per rank; alignment must not add more than this
+TRANSFER_US_BOUND = 120.0  # a synthetic pipeline transfer, from send issue to recv completion, at most
 
 
 def _strip_collectives(path):
@@ -77,6 +78,77 @@ def test_injected_clock_offsets_and_drift_are_recovered(tmp_path):
     assert worst < ALIGNMENT_TOLERANCE_US
     # The files' own clocks are milliseconds apart, so merging without alignment would fail this test.
     assert max(abs(offset) for _, offset in clocks.values()) > 1000 * ALIGNMENT_TOLERANCE_US
+
+
+LATE_RETURN_US = 600.0  # far more than a transfer takes (TRANSFER_US = 80 us in the synthetic traces)
+
+
+def _returns_late_from_collectives(path):
+    """The rank returns from every collective LATE_RETURN_US after it completed (a descheduled host
+    thread under gloo): the fit, which takes finishes as simultaneous, puts its clock that much early."""
+    metadata, *lines = read_lines(path)
+    for line in lines:
+        for op in line["ops"]:
+            if op["kind"] == "collective":
+                op["end_us"] += LATE_RETURN_US
+    write_lines(path, [metadata] + lines)
+
+
+def _backwards(merged):
+    """Transfers whose recv completes before the send was issued, and collective finishes before the
+    last member issued it, on the merged clocks."""
+    found = []
+    for instance in merged.instances:
+        if instance.kind == "p2p":
+            if instance.records[instance.dst]["end"] < instance.records[instance.src]["start"]:
+                found.append(instance)
+        elif min(r["end"] for r in instance.records.values()) < max(r["start"] for r in instance.records.values()):
+            found.append(instance)
+    return found
+
+
+def _flow_pairs_in(path):
+    events = json.loads(path.read_text())["traceEvents"]
+    starts = {e["id"]: e["ts"] for e in events if e["ph"] == "s"}
+    return [(starts[e["id"]], e["ts"]) for e in events if e["ph"] == "f"]
+
+
+def test_clocks_are_corrected_so_that_nothing_runs_backwards(tmp_path, capsys):
+    rng = random.Random(7)
+    clocks = {rank: (1 + rng.uniform(-20e-6, 20e-6), rng.uniform(-20_000.0, 20_000.0)) for rank in range(1, 8)}
+    run = write_run(tmp_path, clocks=clocks)
+    _returns_late_from_collectives(run.path(3))
+    merged = load_and_merge(tmp_path)
+    check = merged.causality
+    assert check.backwards > 0 and check.remaining == 0 and _backwards(merged) == []
+    # Rank 3 alone moves later, at least as far as its transfers need (the fit had it LATE_RETURN_US early,
+    # its transfers take less than TRANSFER_US_BOUND), and no further than its collectives allow.
+    assert list(check.shifts_us) == [3] and check.shifts_us[3] > LATE_RETURN_US - 2 * TRANSFER_US_BOUND
+    event = merged.ranks[3].events[0]
+    assert 0 < run.to_global(3, event["start_us"]) - event["start"] < LATE_RETURN_US - check.shifts_us[3] + 1.0
+    write_chrome_trace(merged, tmp_path / "merged.json")
+    flows = _flow_pairs_in(tmp_path / "merged.json")
+    assert len(flows) == TRANSFERS + sum(len(i.records) - 1 for i in merged.instances if i.kind == "collective")
+    assert all(finish >= start for start, finish in flows)
+    assert main(["-b", str(tmp_path), "-o", str(tmp_path / "cli.json")]) == 0
+    assert (f"causality: {check.backwards} of {check.checked} transfers and collective finishes ran backwards "
+            f"after the fit; shifted ranks ") in capsys.readouterr().out
+
+
+def test_a_contradictory_transfer_is_counted_and_its_flow_left_out(tmp_path, capsys):
+    run = write_run(tmp_path)
+    metadata, *lines = read_lines(run.path(2))
+    recv = next(op for op in lines[0]["ops"] if op["kind"] == "recv")
+    recv["end_us"] = recv["start_us"] - 5_000.0  # completes long before anyone sent it: no clock explains that
+    write_lines(run.path(2), [metadata] + lines)
+    merged = load_and_merge(tmp_path)
+    assert (merged.causality.backwards, merged.causality.remaining, merged.causality.shifts_us) == (1, 1, {})
+    write_chrome_trace(merged, tmp_path / "merged.json")
+    flows = _flow_pairs_in(tmp_path / "merged.json")
+    assert all(finish >= start for start, finish in flows)
+    assert len(flows) == TRANSFERS - 1 + sum(len(i.records) - 1 for i in merged.instances if i.kind == "collective")
+    assert main(["-b", str(tmp_path), "-o", str(tmp_path / "cli.json")]) == 0
+    assert "1 remain(s) (the traces contradict themselves there" in capsys.readouterr().out
 
 
 def test_chrome_trace_lists_ranks_in_layout_order_with_the_same_tracks_as_perfetto_orders_them(tmp_path):
