@@ -17,6 +17,7 @@ from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
+from megascan.detection import detect
 from synthetic_traces import op_key, read_lines, write_lines, write_run
 
 # DP2 x PP2 x TP2, 4 layers, 4 microbatches, windows (4, 5) and (9, 10). Per iteration: 4 TP all-reduces
@@ -27,6 +28,7 @@ from synthetic_traces import op_key, read_lines, write_lines, write_run
 COLLECTIVES = 4 * (4 * 2 * 4 * 4 + 4 + 4 + 2)
 TRANSFERS = 4 * 4 * 2 * 4
 ALIGNMENT_TOLERANCE_US = 3.0  # finishes jitter by 0.5 us per rank; alignment must not add more than this
+TRANSFER_US_BOUND = 120.0  # a synthetic pipeline transfer, from send issue to recv completion, at most
 
 
 def _strip_collectives(path):
@@ -78,24 +80,118 @@ def test_injected_clock_offsets_and_drift_are_recovered(tmp_path):
     assert max(abs(offset) for _, offset in clocks.values()) > 1000 * ALIGNMENT_TOLERANCE_US
 
 
-def test_chrome_trace_has_a_process_per_rank_separate_tracks_and_paired_flows(tmp_path):
+LATE_RETURN_US = 600.0  # far more than a transfer takes (TRANSFER_US = 80 us in the synthetic traces)
+
+
+def _returns_late_from_collectives(path):
+    """The rank returns from every collective LATE_RETURN_US after it completed (a descheduled host
+    thread under gloo): the fit, which takes finishes as simultaneous, puts its clock that much early."""
+    metadata, *lines = read_lines(path)
+    for line in lines:
+        for op in line["ops"]:
+            if op["kind"] == "collective":
+                op["end_us"] += LATE_RETURN_US
+    write_lines(path, [metadata] + lines)
+
+
+def _backwards(merged):
+    """Transfers whose recv completes before the send was issued, and collective finishes before the
+    last member issued it, on the merged clocks."""
+    found = []
+    for instance in merged.instances:
+        if instance.kind == "p2p":
+            if instance.records[instance.dst]["end"] < instance.records[instance.src]["start"]:
+                found.append(instance)
+        elif min(r["end"] for r in instance.records.values()) < max(r["start"] for r in instance.records.values()):
+            found.append(instance)
+    return found
+
+
+def _flow_pairs_in(path):
+    events = json.loads(path.read_text())["traceEvents"]
+    starts = {e["id"]: e["ts"] for e in events if e["ph"] == "s"}
+    return [(starts[e["id"]], e["ts"]) for e in events if e["ph"] == "f"]
+
+
+def test_clocks_are_corrected_so_that_nothing_runs_backwards(tmp_path, capsys):
+    rng = random.Random(7)
+    clocks = {rank: (1 + rng.uniform(-20e-6, 20e-6), rng.uniform(-20_000.0, 20_000.0)) for rank in range(1, 8)}
+    run = write_run(tmp_path, clocks=clocks)
+    _returns_late_from_collectives(run.path(3))
+    merged = load_and_merge(tmp_path)
+    check = merged.causality
+    assert check.backwards > 0 and check.remaining == 0 and _backwards(merged) == []
+    # Rank 3 alone moves later, at least as far as its transfers need (the fit had it LATE_RETURN_US early,
+    # its transfers take less than TRANSFER_US_BOUND), and no further than its collectives allow.
+    assert list(check.shifts_us) == [3] and check.shifts_us[3] > LATE_RETURN_US - 2 * TRANSFER_US_BOUND
+    event = merged.ranks[3].events[0]
+    assert 0 < run.to_global(3, event["start_us"]) - event["start"] < LATE_RETURN_US - check.shifts_us[3] + 1.0
+    write_chrome_trace(merged, tmp_path / "merged.json")
+    flows = _flow_pairs_in(tmp_path / "merged.json")
+    assert len(flows) == TRANSFERS + sum(len(i.records) - 1 for i in merged.instances if i.kind == "collective")
+    assert all(finish >= start for start, finish in flows)
+    assert main(["-b", str(tmp_path), "-o", str(tmp_path / "cli.json")]) == 0
+    assert (f"causality: {check.backwards} of {check.checked} transfers and collective finishes ran backwards "
+            f"after the fit; shifted ranks ") in capsys.readouterr().out
+
+
+def test_a_contradictory_transfer_is_counted_and_its_flow_left_out(tmp_path, capsys):
+    run = write_run(tmp_path)
+    metadata, *lines = read_lines(run.path(2))
+    recv = next(op for op in lines[0]["ops"] if op["kind"] == "recv")
+    recv["end_us"] = recv["start_us"] - 5_000.0  # completes long before anyone sent it: no clock explains that
+    write_lines(run.path(2), [metadata] + lines)
+    merged = load_and_merge(tmp_path)
+    assert (merged.causality.backwards, merged.causality.remaining, merged.causality.shifts_us) == (1, 1, {})
+    write_chrome_trace(merged, tmp_path / "merged.json")
+    flows = _flow_pairs_in(tmp_path / "merged.json")
+    assert all(finish >= start for start, finish in flows)
+    assert len(flows) == TRANSFERS - 1 + sum(len(i.records) - 1 for i in merged.instances if i.kind == "collective")
+    assert main(["-b", str(tmp_path), "-o", str(tmp_path / "cli.json")]) == 0
+    assert "1 remain(s) (the traces contradict themselves there" in capsys.readouterr().out
+
+
+def test_chrome_trace_lists_ranks_in_layout_order_with_the_same_tracks_as_perfetto_orders_them(tmp_path):
+    # What the Perfetto UI (v52) does with the file, checked by hand (docs/megascan_aggregate.md): it
+    # orders processes by activity, whatever their sort index, and the threads of a process by tid; it
+    # lists the thread whose tid is the pid first, as the main thread, and moves tid 0's slices onto it.
     write_run(tmp_path)
     merged = load_and_merge(tmp_path)
     output = tmp_path / "benchmark.json"
     write_chrome_trace(merged, output)
     events = json.loads(output.read_text())["traceEvents"]
-    names = {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"}
-    assert names[5] == "DP0-PP1-TP1 (rank 5)" and len(names) == 8
-    order = sorted(names, key=lambda pid: next(e["args"]["sort_index"] for e in events
-                                               if e["name"] == "process_sort_index" and e["pid"] == pid))
-    assert order == [0, 1, 4, 5, 2, 3, 6, 7]  # DP, then PP, then TP
+    assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == [
+        "MegaScan run 20261122-051355-3fa2c1 (DP2 x PP2 x TP2)"]
+    pid = events[0]["pid"]
+    assert {e["pid"] for e in events} == {pid}
+    threads = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert 0 not in threads and pid not in threads
+    assert {e["tid"]: e["args"]["sort_index"] for e in events if e["name"] == "thread_sort_index"} == {
+        tid: tid for tid in threads}
+    label = [name.split(") ")[0] + ")" for _, name in sorted(threads.items())]
+    assert list(dict.fromkeys(label)) == [  # DP, then PP, then TP
+        "DP0-PP0-TP0 (rank 0)", "DP0-PP0-TP1 (rank 1)", "DP0-PP1-TP0 (rank 4)", "DP0-PP1-TP1 (rank 5)",
+        "DP1-PP0-TP0 (rank 2)", "DP1-PP0-TP1 (rank 3)", "DP1-PP1-TP0 (rank 6)", "DP1-PP1-TP1 (rank 7)"]
+    tracks = {}
+    for tid, name in sorted(threads.items()):
+        rank_label, track = name.split(") ", 1)
+        tracks.setdefault(rank_label, []).append(track)
+    assert all(names == ["compute", "compute (depth 1)", "compute (depth 2)", "collectives", "p2p"]
+               for names in tracks.values()), tracks
+
+
+def test_chrome_trace_has_separate_tracks_and_paired_flows(tmp_path):
+    write_run(tmp_path)
+    merged = load_and_merge(tmp_path)
+    output = tmp_path / "benchmark.json"
+    write_chrome_trace(merged, output)
+    events = json.loads(output.read_text())["traceEvents"]
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert {"compute", "compute (depth 1)", "compute (depth 2)", "collectives", "p2p"} <= set(threads.values())
     slices = [e for e in events if e["ph"] == "X"]
     assert min(e["ts"] for e in slices) == 0.0
     by_track = {}
     for e in slices:
-        family = threads[e["pid"], e["tid"]].split()[0]
+        family = threads[e["pid"], e["tid"]].split(") ")[1].split()[0]
         assert family == {"compute": "compute", "collective": "collectives", "p2p": "p2p"}[e["cat"]]
         by_track.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
     for spans in by_track.values():  # no track holds overlapping slices
@@ -144,6 +240,32 @@ def test_cut_last_line_and_file_without_metadata_are_skipped_and_said(tmp_path):
     # Rank 3 never recorded window 1: its partners there find it missing.
     partner_of_3 = [i for i in merged.instances if 2 in i.records and i.role == "tp" and i.iteration == 9]
     assert partner_of_3 and all(i.missing == [3] for i in partner_of_3)
+
+
+def test_detection_names_the_ranks_it_could_not_judge_beside_its_verdict(tmp_path, capsys):
+    run = write_run(tmp_path)
+    os.remove(run.path(5))  # DP0-PP1-TP1: no file
+    _strip_collectives(run.path(6))  # DP1-PP1-TP0: shares no collective, so on an unknown clock
+    report = detect(load_and_merge(tmp_path))
+    assert report.suspects == [] and report.unjudged == [
+        {"who": "DP0-PP1-TP1", "why": "no usable trace (benchmark-data-0-pipeline-1-tensor-1.json: no such file)"},
+        {"who": "rank 6", "why": "not aligned, so not merged: shares no collective with rank 0 or the ranks aligned "
+                                 "to it"}]
+    assert main(["-b", str(tmp_path), "-d"]) == 0
+    text = capsys.readouterr().out
+    assert text[text.index("MegaScan detection"):].splitlines()[:4] == [
+        "MegaScan detection: no suspect among the 6 ranks judged (no rank is slow, no link is slow, no rank hung).",
+        "Not judged (no verdict on them):",
+        "   DP0-PP1-TP1: no usable trace (benchmark-data-0-pipeline-1-tensor-1.json: no such file)",
+        "   rank 6: not aligned, so not merged: shares no collective with rank 0 or the ranks aligned to it"]
+
+
+def test_detection_says_which_iterations_a_cut_trace_leaves_unjudged(tmp_path):
+    run = write_run(tmp_path)
+    data = open(run.path(3), "rb").read()
+    open(run.path(3), "wb").write(data[:len(data) - 5000])  # killed while writing its last window line
+    assert detect(load_and_merge(tmp_path)).unjudged == [
+        {"who": "rank 3 (DP1-PP0-TP1)", "why": "its trace ends early (cut off): no verdict on it for iterations 9, 10"}]
 
 
 def test_window_line_with_an_unusable_op_is_skipped_and_said(tmp_path):
@@ -241,6 +363,22 @@ def test_cli_writes_outputs_atomically_and_summarises(tmp_path, capsys):
     # No temporary file left behind, no input touched.
     assert sorted(os.listdir(tmp_path)) == ["out.db", "trace"] and len(os.listdir(tmp_path / "trace")) == 9
     assert json.loads((tmp_path / "trace" / "benchmark.json").read_text())["otherData"]["reference_rank"] == 0
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_cli_outputs_follow_the_umask(tmp_path, umask):
+    # On a shared cluster teammates open the merged trace and the report: their mode is the user's
+    # usual one (0666 less the umask), not the 0600 of a temporary file.
+    write_run(tmp_path / "trace")
+    outputs = [tmp_path / "merged.json", tmp_path / "trace.db", tmp_path / "report.json"]
+    previous = os.umask(umask)
+    try:
+        assert main(["-b", str(tmp_path / "trace"), "-o", str(outputs[0]), "--sqlite", str(outputs[1]),
+                     "--report-json", str(outputs[2])]) == 0
+    finally:
+        os.umask(previous)
+    assert {path.name: oct(path.stat().st_mode & 0o777) for path in outputs} == {
+        path.name: oct(0o666 & ~umask) for path in outputs}
 
 
 def test_cli_detection_report_json(tmp_path, capsys):

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, kill_process_tree, lm_losses,
-                    torchrun, torchrun_command)
+                    run_script, torchrun, torchrun_command)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -72,3 +72,17 @@ def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
     resumed = _train(2, gpt_data, saved + 1, "--tensor-model-parallel-size", "2", "--load", save)
     assert f"starting at iteration {saved}" in resumed.stdout
     assert sorted(lm_losses(resumed.stdout)) == [saved + 1]
+
+
+def test_checkpoint_with_a_truncated_shard_is_one_line_naming_the_file_and_the_iteration_to_load(gpt_data, tmp_path):
+    _train(1, gpt_data, 3, "--save", tmp_path, "--save-interval", "2")  # iterations 2 and 3
+    shard = next((tmp_path / "iter_0000003").glob("*.distcp"))
+    size = shard.stat().st_size
+    with open(shard, "r+b") as damaged:  # as a full disk or an interrupted copy leaves it
+        damaged.truncate(size // 2)
+    result = run_script("pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + ["--train-iters", "4", "--load", tmp_path])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"pretrain_gpt.py: error: --load: checkpoint {tmp_path}/iter_0000003 is damaged: {shard} is cut short "
+        f"({size // 2} of {size} bytes); other iterations saved there: 2; write one of them into "
+        f"{tmp_path / TRACKER} to resume from it, or remove --load to train from scratch"]

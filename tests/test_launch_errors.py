@@ -4,7 +4,7 @@ import concurrent.futures
 
 import pytest
 
-from launch import REPO, TINY_GPT, gpt_data_args, run_script
+from launch import REPO, TINY_GPT, gpt_data_args, run_script, torchrun
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
 
@@ -86,13 +86,19 @@ def test_mistake_gives_one_clear_line(case, results):
     assert lines[0].startswith("pretrain_gpt.py: error: ") and expected in lines[0], lines[0]
 
 
-def test_corrupt_checkpoint_tracker_is_named(tmp_path):
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("not-a-number")
+@pytest.mark.parametrize("content, shown", [(b"not-a-number", "'not-a-number'"),
+                                            (b"\x00\x9f\xff\x02", "b'\\x00\\x9f\\xff\\x02'")])
+def test_corrupt_checkpoint_tracker_is_named_with_the_iterations_to_load_instead(tmp_path, content, shown):
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(content)
+    for iteration in (10, 20):
+        (tmp_path / f"iter_{iteration:07d}").mkdir()
     result = _run(MOCK + ["--load", str(tmp_path)], {})
     assert result.returncode == 2
+    tracker = tmp_path / "latest_checkpointed_iteration.txt"
     assert result.stderr.strip().splitlines() == [
-        f"pretrain_gpt.py: error: --load: {tmp_path}/latest_checkpointed_iteration.txt should hold an "
-        f"iteration number but holds 'not-a-number'"]
+        f"pretrain_gpt.py: error: --load: {tracker} should hold an iteration number but holds {shown}; "
+        f"iterations saved there: 10, 20; write one of them into {tracker} to resume from it, or remove "
+        f"--load to train from scratch"]
 
 
 def test_split_without_documents_is_named(gpt_data):
@@ -101,3 +107,28 @@ def test_split_without_documents_is_named(gpt_data):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "--split 969,30,1: the test split of" in lines[0] and "gets none of its 197" in lines[0]
+
+
+def _error_lines(result, prog):
+    return [line for line in result.stderr.splitlines() if line.startswith(f"{prog}: error: ")]
+
+
+def test_launch_error_is_printed_when_rank_0_is_stopped_before_its_check(tmp_path):
+    # Rank 1 fails its check and exits while rank 0 is still before it; torchrun then stops rank 0.
+    env = {"MEGATRON_PLUGINS": "late_rank_zero_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+    result = torchrun(2, "pretrain_gpt.py", TINY_GPT + MOCK + ["--fail-checks-except-on-rank-0"], env=env, timeout=300)
+    assert result.returncode != 0
+    assert _error_lines(result, "pretrain_gpt.py") == [
+        "pretrain_gpt.py: error: late_rank_zero_plugin: this rank's flags are wrong"], result.stderr
+
+
+def test_launch_error_appears_in_every_launch_whole_and_alike():
+    # Every rank fails at once; whichever exits first, torchrun stops the others, in each launch.
+    launches, ranks = 12, 4
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda _: torchrun(ranks, "tests/launch_error_entry.py", [], timeout=120),
+                                range(launches)))
+    expected = "launch_error_entry.py: error: --trace-dir /tmp/a_file exists and is not a directory"
+    for result in results:
+        lines = _error_lines(result, "launch_error_entry.py")
+        assert result.returncode != 0 and 1 <= len(lines) <= ranks and set(lines) == {expected}, result.stderr

@@ -43,7 +43,7 @@ def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
     assert result.returncode == 0 and "no suspect" in result.stdout, result.stdout + result.stderr
     chrome = json.loads((tmp_path / "merged.json").read_text())
     events = chrome["traceEvents"] if isinstance(chrome, dict) else chrome
-    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
     assert {"DP1-PP1-TP1"} <= {n.split(" ")[0] for n in names}
     starts = {e["id"] for e in events if e.get("ph") == "s"}
     assert starts and starts == {e["id"] for e in events if e.get("ph") == "f"}

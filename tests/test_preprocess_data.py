@@ -119,6 +119,12 @@ BAD_INPUTS = {
                                ["--tokenizer-type Llama is not supported", "GPT2BPETokenizer"]),
     "uncreatable output directory": (["--input", "{corpus}", *GPT2_FLAGS, "--output-prefix", "{dir}/a_file/out/gpt"],
                                      ["--output-prefix", "cannot create the directory"]),
+    # sysfs refuses new files even to root, so this holds however the tests run.
+    "unwritable output location": (["--input", "{corpus}", *GPT2_FLAGS, "--output-prefix", "/sys/gpt"],
+                                   ["--output-prefix /sys/gpt: cannot write in /sys", "choose a writable location"]),
+    "flag error with a new output directory": (
+        ["--input", "{corpus}", *GPT2_FLAGS[:4], "--output-prefix", "{dir}/new_directory/gpt"],
+        ["--merge-file is required"]),
 }
 
 
@@ -144,10 +150,15 @@ def bad_runs(corpus, tmp_path_factory):
 @pytest.mark.parametrize("name", BAD_INPUTS)
 def test_bad_input_is_one_line_nonzero_exit_and_no_output(bad_runs, name):
     result, output = bad_runs[name]
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
+    assert result.returncode == 2, result.stderr  # as argparse and the other tools do for user errors
+    assert "Traceback" not in result.stderr and "/." not in result.stderr  # never a hidden temporary name
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert result.stderr.startswith("preprocess_data.py: error: "), result.stderr
     assert all(word in result.stderr for word in BAD_INPUTS[name][1]), result.stderr
     assert [path.name for path in output.iterdir()] == ["gpt_text_document.bin"]
     assert (output / "gpt_text_document.bin").read_bytes() == b"user data"
+
+
+def test_failed_flag_check_leaves_no_new_output_directory(bad_runs):
+    result, output = bad_runs["flag error with a new output directory"]
+    assert result.returncode == 2 and not (output.parent / "new_directory").exists(), result.stderr

@@ -143,11 +143,15 @@ class AtomicDatasetFiles:
     def __init__(self, prefix, new_builder):
         self.prefix = prefix
         directory, name = os.path.split(prefix)
-        self.temporary = {}
-        for suffix in (".bin", ".idx"):
-            descriptor, self.temporary[suffix] = tempfile.mkstemp(
-                dir=directory or ".", prefix=f".{name}{suffix}.", suffix=".tmp")
-            os.close(descriptor)
+        self.temporary, self.builder = {}, None
+        try:
+            for suffix in (".bin", ".idx"):
+                descriptor, self.temporary[suffix] = tempfile.mkstemp(
+                    dir=directory or ".", prefix=f".{name}{suffix}.", suffix=".tmp")
+                os.close(descriptor)
+        except OSError:
+            self.discard()  # the .bin temporary when only the .idx one failed
+            raise
         self.builder = new_builder(self.temporary[".bin"])
 
     def finalize(self):
@@ -160,7 +164,8 @@ class AtomicDatasetFiles:
         self.temporary = {}
 
     def discard(self):
-        self.builder.data_file.close()
+        if self.builder is not None:
+            self.builder.data_file.close()
         for temporary in self.temporary.values():
             if os.path.exists(temporary):
                 os.unlink(temporary)
@@ -208,11 +213,17 @@ def preprocess(args, input_file):
     tokenizer = build_tokenizer(args)
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     encoder = DocumentEncoder(tokenizer, args, dtype)
+    make_output_directory(args.output_prefix)  # only now: a failed flag check above leaves no directory
     outputs = []
     try:
-        for key in args.json_keys:
-            outputs.append(AtomicDatasetFiles(
-                output_prefix(args, key), lambda path: IndexedDatasetBuilder(path, dtype=dtype)))
+        try:
+            for key in args.json_keys:
+                outputs.append(AtomicDatasetFiles(
+                    output_prefix(args, key), lambda path: IndexedDatasetBuilder(path, dtype=dtype)))
+        except OSError as error:  # the temporary file's hidden name would mean nothing to the user
+            raise InputError(f"--output-prefix {args.output_prefix}: cannot write in "
+                             f"{os.path.dirname(args.output_prefix) or '.'} ({error.strerror}); "
+                             f"choose a writable location") from None
         progress = ProgressLog(args.log_interval)
         for encoded, line_bytes in encoded_documents(encoder, numbered_lines(input_file), args.workers):
             for output, (ids, lengths) in zip(outputs, encoded):
@@ -239,6 +250,17 @@ def open_input(path):
         raise InputError(f"--input {path}: cannot read it ({error.strerror})") from None
 
 
+def check_output_directory(prefix):
+    """Fails early, creating nothing, when the output directory cannot be made: a file is in its way."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise InputError(f"--output-prefix {prefix}: cannot create the directory {os.path.dirname(prefix)} "
+                         f"({existing} is a file); choose another --output-prefix")
+
+
 def make_output_directory(prefix):
     directory = os.path.dirname(prefix)
     try:
@@ -252,12 +274,12 @@ def main(argv=None):
     try:
         args = parse_args(argv)
         with open_input(args.input) as input_file:
-            make_output_directory(args.output_prefix)
+            check_output_directory(args.output_prefix)
             preprocess(args, input_file)
-    except UserError as error:  # bad flags, input or tokenizer files
+    except UserError as error:  # bad flags, input, tokenizer files or output location: exit 2, as argparse
         print(f"{PROG}: error: {error}", file=sys.stderr)
-        return 1
-    except OSError as error:
+        return 2
+    except OSError as error:  # the system failed (a disk full, an I/O error), not the command line
         print(f"{PROG}: error: {error.filename or 'output'}: {error.strerror}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -1,7 +1,11 @@
 """The merged trace as Chrome Trace Event JSON, for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-One process per rank, named ``DP{d}-PP{p}-TP{t} (rank r)`` and sorted in layout order. Its threads are
-tracks: compute events, collectives and point-to-point ops each have their own, and where slices of
+Every rank's tracks are threads of one process, named ``DP{d}-PP{p}-TP{t} (rank r) <track>`` and
+numbered in layout order. One process, because the Perfetto UI orders processes by how busy they
+are (process_sort_index is ignored: ranks of the last stage came first), while it orders the threads
+of a process by thread id. Thread ids start at 2: Perfetto takes the thread whose id equals its pid
+for the process's main thread and lists it first, and puts tid 0 events on that main thread too.
+Compute events, collectives and point-to-point ops each have their own track, and where slices of
 one kind nest or overlap (an iteration holds forwards, a forward holds layers; asynchronous
 collectives overlap) they spread over further tracks of that kind, because a track must not hold
 overlapping slices. Flows link each send to its recv, and inside each collective the last member to
@@ -14,8 +18,9 @@ import json
 from megascan.aggregate.atomic_file import replaced_on_success
 from megascan.aggregate.loading import coords_name
 
-# Track family -> (first thread id, word for its extra tracks).
-_TRACKS = {"compute": (0, "depth"), "collectives": (100, "overlap"), "p2p": (200, "overlap")}
+_PID = 1  # the run's one process
+_FIRST_TID = _PID + 1
+_EXTRA_TRACK_WORD = {"compute": "depth", "collectives": "overlap", "p2p": "overlap"}  # "compute (depth 1)"
 _INSIDE_US = 0.001  # flow points sit this far inside their slice, so that viewers bind them to it
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 
@@ -43,23 +48,24 @@ def _span(item, origin):
     return ts, round(round(_end(item) - origin, 3) - ts, 3)
 
 
-def _tracks(family, items, names):
-    """Thread id per item (timed dicts) of one track family; adds the tracks used to ``names``."""
-    first_tid, word = _TRACKS[family]
+def _tracks(family, items, first_tid, label, names):
+    """Thread id per item (timed dicts) of one track family, from ``first_tid`` on; adds the tracks used
+    to ``names`` (their names start with the rank's ``label``)."""
     tids = []
     for lane in _lanes([(item["start"], _end(item)) for item in items]):
         tids.append(first_tid + lane)
-        names[first_tid + lane] = family if lane == 0 else f"{family} ({word} {lane})"
+        track = family if lane == 0 else f"{family} ({_EXTRA_TRACK_WORD[family]} {lane})"
+        names[first_tid + lane] = f"{label} {track}"
     return tids
 
 
-def _thread_names(pid, names):
+def _thread_names(names):
     for tid, name in sorted(names.items()):
-        yield {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
-        yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
+        yield {"ph": "M", "name": "thread_name", "pid": _PID, "tid": tid, "args": {"name": name}}
+        yield {"ph": "M", "name": "thread_sort_index", "pid": _PID, "tid": tid, "args": {"sort_index": tid}}
 
 
-def _op_slice(pid, tid, instance, record, origin):
+def _op_slice(rank, tid, instance, record, origin):
     duration = _end(record) - record["start"]
     args = {"instance": instance.id, "group": instance.group, "role": instance.role, "seq": instance.seq,
             "peer": record.get("peer"), "bytes": record.get("bytes"), "dtype": record.get("dtype"),
@@ -74,33 +80,34 @@ def _op_slice(pid, tid, instance, record, origin):
     if instance.missing:
         args["missing_ranks"] = instance.missing
     if instance.kind == "p2p":
-        name = f"{record['op']} {'to' if pid == instance.src else 'from'} {record.get('peer')}"
+        name = f"{record['op']} {'to' if rank == instance.src else 'from'} {record.get('peer')}"
     else:
         name = f"{record['op']} {instance.role}"
     ts, dur = _span(record, origin)
-    return {"ph": "X", "name": name, "cat": instance.kind, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+    return {"ph": "X", "name": name, "cat": instance.kind, "pid": _PID, "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
-def _event_slice(pid, tid, event, origin):
+def _event_slice(tid, event, origin):
     ts, dur = _span(event, origin)
-    return {"ph": "X", "name": event["name"], "cat": event.get("cat", "compute"), "pid": pid, "tid": tid,
+    return {"ph": "X", "name": event["name"], "cat": event.get("cat", "compute"), "pid": _PID, "tid": tid,
             "ts": ts, "dur": dur, "args": {key: event.get(key) for key in ("iteration", "microbatch", "chunk", "layer")}}
 
 
-def _rank_slices(trace, sort_index, records, origin, tid_of):
-    pid, names = trace.rank, {}
-    slices = [_event_slice(pid, tid, event, origin)
-              for tid, event in zip(_tracks("compute", trace.events, names), trace.events)]
+def _rank_slices(trace, first_tid, records, origin, tid_of):
+    """The rank's track names and slices, its tracks numbered from ``first_tid``; records each op's track
+    in ``tid_of``. Returns the next free thread id after the generator is exhausted."""
+    rank, label, names = trace.rank, f"{coords_name(trace.coords)} (rank {trace.rank})", {}
+    tids = _tracks("compute", trace.events, first_tid, label, names)
+    slices = [_event_slice(tid, event, origin) for tid, event in zip(tids, trace.events)]
     for family in ("collectives", "p2p"):
         ops = [(instance, record) for instance, record in records if (instance.kind == "p2p") == (family == "p2p")]
-        for tid, (instance, record) in zip(_tracks(family, [record for _, record in ops], names), ops):
-            tid_of[pid, instance.id] = tid
-            slices.append(_op_slice(pid, tid, instance, record, origin))
-    yield {"ph": "M", "name": "process_name", "pid": pid,
-           "args": {"name": f"{coords_name(trace.coords)} (rank {pid})"}}
-    yield {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}
-    yield from _thread_names(pid, names)
+        tids = _tracks(family, [record for _, record in ops], max(names, default=first_tid - 1) + 1, label, names)
+        for tid, (instance, record) in zip(tids, ops):
+            tid_of[rank, instance.id] = tid
+            slices.append(_op_slice(rank, tid, instance, record, origin))
+    yield from _thread_names(names)
     yield from slices
+    return max(names, default=first_tid - 1) + 1
 
 
 def _inside(record, at_end):
@@ -118,15 +125,19 @@ def _flow_pairs(instance):
 
 
 def _flows(instances, origin, tid_of):
+    """Flow start/finish pairs; one that would finish before it starts is left out (viewers drop it
+    silently): only contradictory traces leave one after causality.py, and the summary counts them."""
     flow_id = 0
     for instance in instances:
         for source, target in _flow_pairs(instance):
+            start = round(_inside(instance.records[source], False) - origin, 3)
+            finish = round(_inside(instance.records[target], True) - origin, 3)
+            if finish < start:
+                continue
             flow_id += 1
             common = {"name": instance.op, "cat": f"flow.{instance.kind}", "id": flow_id}
-            yield {"ph": "s", "pid": source, "tid": tid_of[source, instance.id],
-                   "ts": round(_inside(instance.records[source], False) - origin, 3), **common}
-            yield {"ph": "f", "bp": "e", "pid": target, "tid": tid_of[target, instance.id],
-                   "ts": round(_inside(instance.records[target], True) - origin, 3), **common}
+            yield {"ph": "s", "pid": _PID, "tid": tid_of[source, instance.id], "ts": start, **common}
+            yield {"ph": "f", "bp": "e", "pid": _PID, "tid": tid_of[target, instance.id], "ts": finish, **common}
 
 
 def time_origin(merged):
@@ -137,15 +148,19 @@ def time_origin(merged):
 
 
 def chrome_trace_events(merged, origin):
-    """Every trace event, streamed: rank processes in layout order, their slices, then the flows."""
+    """Every trace event, streamed: the run's process, each rank's tracks and slices in layout order,
+    then the flows."""
     records = {rank: [] for rank in merged.ranks}
     for instance in merged.instances:
         for rank, record in instance.records.items():
             records[rank].append((instance, record))
-    tid_of = {}
+    layout = merged.layout
+    yield {"ph": "M", "name": "process_name", "pid": _PID, "args": {
+        "name": f"MegaScan run {merged.run_id} (DP{layout['dp']} x PP{layout['pp']} x TP{layout['tp']})"}}
+    tid_of, next_tid = {}, _FIRST_TID
     layout_order = sorted(merged.ranks.values(), key=lambda t: (t.coords["dp"], t.coords["pp"], t.coords["tp"]))
-    for sort_index, trace in enumerate(layout_order):
-        yield from _rank_slices(trace, sort_index, records[trace.rank], origin, tid_of)
+    for trace in layout_order:
+        next_tid = yield from _rank_slices(trace, next_tid, records[trace.rank], origin, tid_of)
     yield from _flows(merged.instances, origin, tid_of)
 
 

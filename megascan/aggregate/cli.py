@@ -87,6 +87,18 @@ def _residual_line(merged):
             f"reference clock: rank {merged.reference_rank}")
 
 
+def _causality_line(check):
+    if not check.backwards:
+        return f"causality: none of {check.checked} transfers and collective finishes runs backwards"
+    shifted = ", ".join(f"{rank} ({shift:+.1f} us)" for rank, shift in sorted(check.shifts_us.items()))
+    line = (f"causality: {check.backwards} of {check.checked} transfers and collective finishes ran backwards "
+            f"after the fit; {f'shifted ranks {shifted}' if shifted else 'no shift satisfies them all'}; ")
+    if not check.remaining:
+        return line + "none remains"
+    return line + (f"{check.remaining} remain(s) (the traces contradict themselves there; their flows are left "
+                   f"out of the Chrome trace)")
+
+
 def summary(merged, outputs, seconds):
     layout = merged.layout
     windows = sorted({w for t in merged.ranks.values() for w in t.windows})
@@ -100,6 +112,7 @@ def summary(merged, outputs, seconds):
              f"  instances matched: {len(merged.instances)} ({collectives} collective, "
              f"{len(merged.instances) - collectives} p2p); {incomplete} with members that never issued them",
              f"  {_residual_line(merged)}",
+             f"  {_causality_line(merged.causality)}",
              f"  problems: {len(merged.problems)}{' (warnings above)' if merged.problems else ''}"]
     lines += [f"  {label}: {path}" for label, path in outputs]
     lines.append(f"  done in {seconds:.1f} s")

@@ -67,6 +67,7 @@ class TraceDirectory:
     world_size: int
     files: dict  # rank -> RankFile, one run only
     problems: list
+    absent: dict = field(default_factory=dict)  # layout position without a usable trace -> why, e.g. DP0-PP1-TP1
 
 
 def describe(items, noun):
@@ -186,7 +187,17 @@ def _by_rank(rank_files, problems):
     return dict(sorted(files.items()))
 
 
-def _report_missing(directory, layout, world_size, files, problems):
+def _why_absent(directory, name, read):
+    """Why the layout position of trace file ``name`` has no usable trace."""
+    if not os.path.exists(os.path.join(directory, name)):
+        return f"{name}: no such file"
+    if name not in read:
+        return f"{name}: no valid metadata line (empty, cut off or not a MegaScan version 1 trace)"
+    return f"{name}: not used (a file of another run, or its metadata names a rank or position read already)"
+
+
+def _report_missing(directory, layout, world_size, files, read, problems):
+    """Says in ``problems`` which layout positions and ranks lack a usable trace; {position: why} of the former."""
     expected = [dict(zip(("dp", "pp", "tp"), c))
                 for c in itertools.product(range(layout["dp"]), range(layout["pp"]), range(layout["tp"]))]
     if len(expected) != world_size:
@@ -194,15 +205,15 @@ def _report_missing(directory, layout, world_size, files, problems):
                         f"TP{layout['tp']}; expected ranks taken from world_size")
     present = {tuple(f.coords[axis] for axis in ("dp", "pp", "tp")) for f in files.values()}
     absent = [c for c in expected if (c["dp"], c["pp"], c["tp"]) not in present]
+    why = {coords_name(c): _why_absent(directory, TRACE_FILE_TEMPLATE.format(**c), read) for c in absent}
     if absent:
-        named = [f"{coords_name(c)} ({TRACE_FILE_TEMPLATE.format(**c)}"
-                 f"{'' if os.path.exists(os.path.join(directory, TRACE_FILE_TEMPLATE.format(**c))) else ': no such file'})"
-                 for c in absent]
+        named = [f"{position} ({reason})" for position, reason in why.items()]
         problems.append(f"no usable trace for {len(absent)} of {len(expected)} layout positions: "
                         f"{describe(named, 'position')}")
     ranks_without = sorted(set(range(world_size)) - set(files))
     if ranks_without:
         problems.append(f"no trace for {describe(ranks_without, 'rank')} of world size {world_size}")
+    return why
 
 
 def _report_unequal_progress(files, problems):
@@ -238,6 +249,7 @@ def load_directory(directory):
     files = _by_rank(kept, problems)
     first = next(iter(files.values())).metadata
     layout, world_size = first["layout"], first["world_size"]
-    _report_missing(directory, layout, world_size, files, problems)
+    absent = _report_missing(directory, layout, world_size, files, {os.path.basename(f.path) for f in read},
+                             problems)
     _report_unequal_progress(files, problems)
-    return TraceDirectory(run_id, layout, world_size, files, problems)
+    return TraceDirectory(run_id, layout, world_size, files, problems, absent)

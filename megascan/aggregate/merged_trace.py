@@ -2,17 +2,19 @@
 (megascan/detection) read.
 
 All times here are global microseconds: the reference rank's wall clock, to which every other rank's
-clock was fitted. A rank that could not be aligned is listed in ``unaligned`` with the reason and is
+clock was fitted, then shifted where the fit left a transfer or a collective running backwards
+(causality.py). A rank that could not be aligned is listed in ``unaligned`` with the reason and is
 absent from ``ranks`` and from every instance's ``records``: its times would be on a clock nobody knows.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import numpy as np
 
 from megascan.aggregate.alignment import align_ranks
+from megascan.aggregate.causality import CausalityCheck, causal_clocks
 from megascan.aggregate.loading import coords_name, load_directory
 from megascan.aggregate.matching import group_table, match_records
 
@@ -61,6 +63,8 @@ class MergedTrace:
     instances: list  # OpInstance, ids 0..n-1 in this order
     problems: list  # what was missing, cut off, ignored or not aligned, one line each
     reference_rank: int = None  # whose clock is global time
+    absent: dict = field(default_factory=dict)  # layout position (DP0-PP1-TP1) without a usable trace -> why
+    causality: CausalityCheck = field(default_factory=CausalityCheck)  # what ran backwards after the fit
 
     @cached_property
     def _ranks_by_coords(self):
@@ -142,7 +146,8 @@ def load_and_merge(directory):
     for rank, reason in alignment.unaligned.items():
         problems.append(f"rank {rank} ({coords_name(files[rank].coords)}) not aligned, so not merged into "
                         f"the timeline: {reason}")
-    ranks = {rank: _rank_trace(files[rank], clock) for rank, clock in sorted(alignment.clocks.items())}
+    clocks, causality = causal_clocks(instances, alignment.clocks, alignment.reference_rank)
+    ranks = {rank: _rank_trace(files[rank], clock) for rank, clock in sorted(clocks.items())}
     return MergedTrace(run_id=loaded.run_id, layout=loaded.layout, ranks=ranks, unaligned=alignment.unaligned,
                        instances=_keep_aligned(instances, ranks), problems=problems,
-                       reference_rank=alignment.reference_rank)
+                       reference_rank=alignment.reference_rank, absent=loaded.absent, causality=causality)

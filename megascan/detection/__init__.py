@@ -7,6 +7,7 @@ lags because it waits. The stages: (a) compute of identical operations across ra
 """
 
 from megascan.detection.compute import compute_slowness
+from megascan.detection.coverage import unjudged_ranks
 from megascan.detection.hangs import find_hangs
 from megascan.detection.links import link_stats
 from megascan.detection.nvml_evidence import nvml_evidence
@@ -72,7 +73,7 @@ def detect(merged):
     groups = group_waits(merged)
     waits = rank_waits(groups)
     nvml = nvml_evidence(merged)
-    suspects, notes = [], []
+    suspects = []
     for hang in find_hangs(merged):
         trace = merged.ranks[hang["rank"]]
         suspects.append(Suspect(hang["rank"], trace.coords, trace.host, trace.device_index, "hang",
@@ -94,7 +95,5 @@ def detect(merged):
                if culprits and rank not in culprits and rank in merged.ranks
                and entry["waited_us"] > entry["imposed_us"]]
     links = link_stats(merged)
-    for rank, reason in merged.unaligned.items():
-        notes.append(f"rank {rank} was not aligned and is not analysed: {reason}")
     alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}
-    return Report(suspects, victims, links, alignment, notes)
+    return Report(suspects, victims, links, alignment, unjudged_ranks(merged))

@@ -24,18 +24,22 @@ class Report:
     suspects: list
     victims: list  # [{rank, coords, waited_us, note}]
     links: list
-    alignment: dict  # rank -> residual_us
-    notes: list
+    alignment: dict  # rank -> residual_us, of every rank judged
+    unjudged: list  # [{who, why}]: not judged, or judged on part of the run only
 
     def to_json(self):
         return asdict(self)
 
     def to_text(self):
         lines = []
+        judged = f" among the {len(self.alignment)} ranks judged" if self.unjudged else ""
         if not self.suspects:
-            lines.append("MegaScan detection: no suspect (no rank is slow, no link is slow, no rank hung).")
+            lines.append(f"MegaScan detection: no suspect{judged} (no rank is slow, no link is slow, no rank hung).")
         else:
-            lines.append(f"MegaScan detection: {len(self.suspects)} suspect(s), most likely first")
+            lines.append(f"MegaScan detection: {len(self.suspects)} suspect(s){judged}, most likely first")
+        if self.unjudged:  # beside the verdict: it says nothing about these
+            lines.append("Not judged (no verdict on them):")
+            lines += [f"   {entry['who']}: {entry['why']}" for entry in self.unjudged]
         for place, suspect in enumerate(self.suspects, 1):
             label = "hung" if suspect.kind == "hang" else suspect.kind.replace("_", " ")
             lines.append(f"{place}. {suspect.title()}: {label}, score {suspect.score:.2f}")
@@ -47,5 +51,4 @@ class Report:
         for link in slow:
             lines.append(f"Slow link {link['src']} -> {link['dst']}: {link['bandwidth_gbps']:.2f} GB/s, "
                          f"median latency {link['median_latency_us']:.0f} us over {link['transfers']} transfers")
-        lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)

@@ -18,6 +18,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron.training.checkpoint_checks import damaged_file, what_to_do
 from megatron.training.errors import UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -34,10 +35,13 @@ def read_tracker(root):
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise UserError(f"--load: {path} should hold an iteration number but holds {text[:40]!r}")
-    return int(text)
+    with open(path, "rb") as tracker:  # bytes: a damaged tracker need not be text
+        content = tracker.read().strip()
+    if not content.isdigit():  # bytes.isdigit: ASCII digits only
+        shown = repr(content.decode("ascii")[:40]) if content.isascii() else repr(content[:40])
+        raise UserError(f"--load: {path} should hold an iteration number but holds {shown}; "
+                        f"{what_to_do(root, path)}")
+    return int(content)
 
 
 def _model_key(index, model):
@@ -162,8 +166,14 @@ def load_checkpoint(args, model, optimizer, scheduler):
                   flush=True)
         return 0, 0
     directory = checkpoint_dir(args.load, iteration)
+    tracker = os.path.join(args.load, TRACKER_FILENAME)
     if not os.path.isdir(directory):
-        raise UserError(f"--load: {TRACKER_FILENAME} names iteration {iteration} but {directory} is missing")
+        raise UserError(f"--load: {TRACKER_FILENAME} names iteration {iteration} but {directory} is missing; "
+                        f"{what_to_do(args.load, tracker, iteration)}")
+    damage = damaged_file(directory)
+    if damage:
+        raise UserError(f"--load: checkpoint {directory} is damaged: {damage}; "
+                        f"{what_to_do(args.load, tracker, iteration)}")
     common = dist_checkpointing.load_common_state_dict(directory)
     same_layout = common.get("layout") == _layout(args)
     if "contents" not in common:

@@ -2,6 +2,8 @@
 
 import functools
 import os
+import signal
+import socket
 import sys
 
 
@@ -13,18 +15,55 @@ class ArgumentError(UserError):
     """A flag is unknown, malformed or inconsistent with the others."""
 
 
+# The claim of the rank that prints a launch's error line; held (open) until the process exits.
+_printing_claim = []
+
+
+def _first_to_fail_on_this_host():
+    """Whether this process prints the launch's error line: the first of the launch's local ranks to fail.
+
+    Every rank checks the same flags, so most mistakes fail on all of them, at moments that differ
+    by their start-up time. Rank 0 cannot be the one to print: when another rank exits first,
+    torchrun stops the rest, and rank 0 may not even have reached the check. So the first rank to
+    fail claims the line, by binding a Linux abstract socket named after the launch (the launcher's
+    pid and the master port: shared by the local ranks of one launch, by nobody else); the kernel
+    frees the name when the process exits, so nothing is left behind. A rank that fails after the
+    claimer has exited claims again: the line can repeat, identical, but never goes missing.
+    """
+    if "RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return True  # a plain process, or no abstract sockets: print it
+    name = f"\0megatron-launch-error-{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
+    claim = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        claim.bind(name)
+    except OSError:  # another rank of this launch holds it: it prints the line
+        claim.close()
+        return False
+    _printing_claim.append(claim)
+    return True
+
+
+def _print_launch_error(line):
+    try:
+        # The launcher stops the other ranks with SIGTERM as soon as one exits: it must not cut this line.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals cannot be set here
+        pass
+    if _first_to_fail_on_this_host():
+        print(line, file=sys.stderr, flush=True)
+
+
 def exit_on_user_error(main):
-    """Run ``main``; a ``UserError`` becomes ``<prog>: error: <message>`` on the first rank, exit 2.
-    The other ranks exit quietly so that a torchrun launch prints the line once."""
+    """Run ``main``; a ``UserError`` becomes ``<prog>: error: <message>`` on stderr and exit code 2.
+    Of a launch's ranks the first to fail prints the line; the others exit quietly."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UserError as error:
-            if int(os.environ.get("RANK", "0")) == 0:
-                prog = os.path.basename(sys.argv[0]) or "megatron"
-                print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+            prog = os.path.basename(sys.argv[0]) or "megatron"
+            _print_launch_error(f"{prog}: error: {error}")
             sys.exit(2)
 
     return wrapper

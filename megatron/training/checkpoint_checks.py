@@ -1,0 +1,54 @@
+"""What is wrong with a ``--load`` checkpoint, in one line, before megatron-core tries to read it.
+
+A damaged file inside a checkpoint (a shard cut short by a full disk or an interrupted copy) makes
+megatron-core's loader fail on every rank with hundreds of lines that never name the file. Its
+``.metadata`` says which shard files hold which bytes, so a look at their sizes finds the damage
+first, and the user learns which file is bad and which other iterations could be loaded instead.
+"""
+
+import os
+import pickle
+import re
+
+from torch.distributed.checkpoint import FileSystemReader
+
+_ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
+_COMMON_FILES = ("common.pt", "metadata.json", ".metadata")
+
+
+def iterations_present(root):
+    """The iterations of complete-looking checkpoint directories in ``root`` (iter_XXXXXXX), sorted."""
+    names = os.listdir(root) if os.path.isdir(root) else []
+    return sorted(int(match.group(1)) for match in map(_ITERATION_DIR.match, names)
+                  if match and os.path.isdir(os.path.join(root, match.group(0))))
+
+
+def what_to_do(root, tracker, bad_iteration=None):
+    """Where to go from a bad checkpoint or tracker: the (other) iterations there, or training from scratch."""
+    other = "" if bad_iteration is None else "other "
+    iterations = [i for i in iterations_present(root) if i != bad_iteration]
+    if not iterations:
+        return f"no {other}iteration is saved there: remove --load to train from scratch"
+    return (f"{other}iterations saved there: {', '.join(map(str, iterations))}; write one of them into {tracker} "
+            f"to resume from it, or remove --load to train from scratch")
+
+
+def damaged_file(directory):
+    """'<file> is ...' for the first missing, unreadable or cut-short file of a checkpoint, else None."""
+    for name in _COMMON_FILES:
+        if not os.path.isfile(os.path.join(directory, name)):
+            return f"{os.path.join(directory, name)} is missing"
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except (pickle.UnpicklingError, EOFError, ValueError, AttributeError, ImportError) as error:
+        return f"{os.path.join(directory, '.metadata')} cannot be read ({type(error).__name__})"
+    needed = {}  # shard file -> bytes its items reach
+    for item in storage.values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(needed.items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        if os.path.getsize(path) < size:
+            return f"{path} is cut short ({os.path.getsize(path)} of {size} bytes)"
+    return None
