@@ -29,6 +29,7 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
                                          args.attention_backend)
         layer_spec = block_spec_with_torch_norms(layer_spec, config, vp_stage)
     return GPTModel(config=config, transformer_layer_spec=layer_spec, rotary_base=args.rotary_base,
+                    rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
                     **language_model_kwargs(args, pre_process, post_process, vp_stage))
 
 

@@ -31,10 +31,13 @@ def _add_model_args(parser):
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"],
                    default="learned_absolute")
     g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3's rotary frequency scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true", help="biases on Q/K/V even with --disable-bias-linear")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--init-method-std", type=float, default=0.02)

@@ -137,7 +137,7 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
                                 with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
                                 is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_train_samples,
-                 checkpoint_version=3.0, layout=_layout(args),
+                 checkpoint_version=3.0, layout=_layout(args), padded_vocab_size=args.padded_vocab_size,
                  contents={"optimizer": not args.no_save_optim, "rng": not args.no_save_rng})
     dist_checkpointing.save(state, work_dir)
     torch.distributed.barrier()
@@ -153,6 +153,25 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
         print(f"saved checkpoint at iteration {iteration} to {final_dir} "
               f"({time.time() - start:.1f} s)", flush=True)
     torch.distributed.barrier()
+
+
+def use_checkpoint_vocab_padding(args):
+    """Build the embedding with the padded vocabulary size of the checkpoint ``--load`` names.
+
+    The padding depends on the tensor-parallel size it was made for, so a checkpoint saved at one TP
+    size (or converted from Hugging Face) would not fit the embedding padded for another."""
+    iteration = read_tracker(args.load) if args.load else None
+    common_file = None if iteration is None else os.path.join(checkpoint_dir(args.load, iteration), "common.pt")
+    if common_file is None or not os.path.isfile(common_file):
+        return  # no checkpoint: load_checkpoint says so, or names what is missing
+    padded = dist_checkpointing.load_common_state_dict(os.path.dirname(common_file)).get("padded_vocab_size")
+    if padded is None:
+        return  # saved before checkpoints recorded it: padded from the flags, as then
+    tp = args.tensor_model_parallel_size
+    if padded % tp:
+        raise UserError(f"--load: the checkpoint's vocabulary of {padded} rows (padded) cannot be split "
+                        f"over --tensor-model-parallel-size {tp}")
+    args.padded_vocab_size = padded
 
 
 def load_checkpoint(args, model, optimizer, scheduler):

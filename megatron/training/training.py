@@ -15,7 +15,7 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import load_checkpoint, save_checkpoint
+from megatron.training.checkpointing import load_checkpoint, save_checkpoint, use_checkpoint_vocab_padding
 from megatron.training.cuda_graphs import layers_run_eagerly
 from megatron.training.data import build_data_iterators
 from megatron.training.flops import training_flops_per_iteration
@@ -175,6 +175,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     args = parse_args(argv, prog, registry.add_arguments, extra_args_provider)
     validate_args(args)
     registry.validate_args(args)
+    use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
     start = time.time()
     initialize_megatron(args)

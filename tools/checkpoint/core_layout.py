@@ -1,0 +1,83 @@
+"""The checkpoint layout of our GPT model, taken from the model itself (built on the meta device).
+
+Keys, global shapes and the split of SwiGLU's fc1 into its gate and up halves are whatever
+megatron-core's ``sharded_state_dict`` of ``pretrain_gpt.py``'s model says: a converted checkpoint
+then loads through the same path as a trained one, at any TP/PP.
+"""
+
+import os
+import socket
+import sys
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+from megatron.training.arguments import parse_args
+from megatron.training.cpu_compat import install_cpu_compat
+from megatron.training.validate_args import validate_args
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import pretrain_gpt  # noqa: E402  the model provider every checkpoint of ours is loaded with
+
+# Flags pretrain_gpt.py requires that do not shape the model.
+_NOT_SHAPING_THE_MODEL = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data",
+                          "--vocab-size", "1", "--device", "cpu", "--use-cpu-initialization"]
+
+
+def start_single_process_group():
+    """dist_checkpointing saves and loads through torch.distributed: one gloo process, TP1/PP1."""
+    install_cpu_compat()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+    parallel_state.initialize_model_parallel(1, 1)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def model_args(model_flags, padded_vocab_size, dtype_flags):
+    args = parse_args(model_flags + dtype_flags + ["--seq-length", "1"] + _NOT_SHAPING_THE_MODEL,
+                      prog="convert.py")
+    validate_args(args, world_size=1)
+    args.padded_vocab_size = padded_vocab_size
+    return args
+
+
+def checkpoint_templates(args):
+    """{state key: ShardedTensor, or a list of them for a tensor saved in parts} at TP1/PP1, data on
+    the meta device; plus the ShardedObjects (extra state) a checkpoint must also hold."""
+    with torch.device("meta"):
+        model = pretrain_gpt.model_provider(args)
+    templates = model.sharded_state_dict()
+    apply_factories(templates)
+    return templates
+
+
+def layer_keys(templates, layer):
+    prefix = f"decoder.layers.{layer}."
+    return [key for key in templates if key.startswith(prefix)]
+
+
+def joined(parts):
+    """One template for consecutive row parts of a tensor (fc1's gate and up): megatron-core reads
+    several parts of one key in a single request wrongly, one part spanning them correctly."""
+    first, rows = parts[0], sum(part.local_shape[0] for part in parts)
+    axis = first.prepend_axis_num
+    fragments = list(first.axis_fragmentations)
+    fragments[axis] = first.global_shape[axis] // rows
+    return ShardedTensor(first.key, None, first.dtype, (rows, *first.local_shape[1:]), first.global_shape,
+                         first.global_offset, tuple(fragments), first.replica_id, first.prepend_axis_num)
+
+
+def with_data(template, tensor):
+    """``template``'s place in the checkpoint, holding ``tensor`` (same shape)."""
+    if tuple(tensor.shape) != tuple(template.local_shape):
+        raise ValueError(f"{template.key}: got shape {tuple(tensor.shape)}, the model has {template.local_shape}")
+    return ShardedTensor(template.key, tensor, tensor.dtype, template.local_shape, template.global_shape,
+                         template.global_offset, template.axis_fragmentations, template.replica_id,
+                         template.prepend_axis_num)

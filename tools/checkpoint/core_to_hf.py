@@ -1,0 +1,122 @@
+"""megatron-core distributed checkpoint of our GPT -> Hugging Face directory that transformers loads.
+
+The model's config is the Hugging Face config.json the forward conversion keeps in ``<load-dir>/hf``
+(or ``--hf-config-dir`` for a checkpoint trained from it elsewhere). Layers are loaded one at a time
+(dist_checkpointing loads any part of a checkpoint) and written out in safetensors shards.
+"""
+
+import json
+import os
+
+import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from safetensors.torch import save_file
+
+import core_layout
+import llama_tensors
+from llama_config import llama_shape, read_config
+from megatron.training.checkpointing import checkpoint_dir, read_tracker
+from megatron.training.errors import UserError
+from output_dir import copy_hf_side_files, written_atomically
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ShardWriter:
+    """Writes tensors into model-NNNNN.safetensors files of about ``max_bytes`` each, and the index."""
+
+    def __init__(self, directory, max_bytes):
+        self.directory, self.max_bytes = directory, max_bytes
+        self.buffer, self.buffer_bytes, self.weight_map, self.total_bytes = {}, 0, {}, 0
+
+    def add(self, name, tensor):
+        self.buffer[name] = tensor.contiguous()
+        self.buffer_bytes += tensor.numel() * tensor.element_size()
+        if self.buffer_bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self):
+        if not self.buffer:
+            return
+        file_name = f"model-{len(set(self.weight_map.values())) + 1:05d}.safetensors"
+        save_file(self.buffer, os.path.join(self.directory, file_name), metadata={"format": "pt"})
+        self.weight_map.update(dict.fromkeys(self.buffer, file_name))
+        self.total_bytes += self.buffer_bytes
+        self.buffer, self.buffer_bytes = {}, 0
+
+    def close(self):
+        self.flush()
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": self.weight_map}
+        with open(os.path.join(self.directory, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def _read_request(template, dtype):
+    """A ShardedTensor that reads ``template``'s place into a new tensor.
+
+    Without a regular grid: megatron-core takes a grid's other cells for other ranks' parts, and in
+    a one-process job they would all be this rank's. Without the prepended layer axis (kept as a
+    leading dimension of 1): the grid-less path does not support it."""
+    prepended = template.prepend_axis_num
+    local_shape = (1,) * prepended + tuple(template.local_shape)
+    return ShardedTensor(template.key, torch.empty(local_shape, dtype=dtype), dtype, local_shape,
+                         template.global_shape, template.global_offset, None, template.replica_id)
+
+
+def _load(templates, keys, directory, dtype):
+    """{key: tensor or [tensors]} of ``keys``, read from the checkpoint in ``directory``."""
+    wholes = {key: core_layout.joined(templates[key]) if isinstance(templates[key], list) else templates[key]
+              for key in keys}
+    request = {key: _read_request(whole, dtype) for key, whole in wholes.items()}
+    # One layer of the stacked layer tensors is a partial read, which the access check would refuse.
+    loaded = dist_checkpointing.load(request, directory, validate_access_integrity=False)
+    return {key: _split_like(templates[key], loaded[key].reshape(whole.local_shape)) for key, whole in wholes.items()}
+
+
+def _split_like(template, tensor):
+    if not isinstance(template, list):
+        return tensor
+    return list(tensor.split([part.local_shape[0] for part in template]))
+
+
+def _checkpoint_directory(load_dir):
+    iteration = read_tracker(load_dir)
+    if iteration is None:
+        raise UserError(f"--load-dir {load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
+    directory = checkpoint_dir(load_dir, iteration)
+    if not os.path.isdir(directory):
+        raise UserError(f"--load-dir {load_dir}: the tracker names iteration {iteration} but {directory} is missing")
+    return directory
+
+
+def convert(options):
+    hf_dir = options.hf_config_dir or os.path.join(options.load_dir, "hf")
+    config = read_config(hf_dir)
+    shape = llama_shape(config, os.path.join(hf_dir, "config.json"))
+    directory = _checkpoint_directory(options.load_dir)
+    padded_vocab_size = dist_checkpointing.load_common_state_dict(directory)["padded_vocab_size"]
+    dtype = torch.bfloat16 if options.bf16 else torch.float16 if options.fp16 else torch.float32
+    with written_atomically(options.save_dir) as work_dir:
+        core_layout.start_single_process_group()
+        templates = core_layout.checkpoint_templates(core_layout.model_args(shape.megatron_flags(), padded_vocab_size, []))
+        writer = ShardWriter(work_dir, options.max_shard_size_gb * 1e9)
+        ends = _load(templates, ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
+                                 "output_layer.weight"], directory, dtype)
+        writer.add(llama_tensors.HF_EMBEDDING, ends["embedding.word_embeddings.weight"][: shape.vocab_size])
+        for layer in range(shape.num_layers):
+            keys = core_layout.layer_keys(templates, layer)
+            loaded = _load(templates, [k for k in keys if not k.endswith("_extra_state")], directory, dtype)
+            prefix = f"decoder.layers.{layer}."
+            hf = llama_tensors.hf_layer({k[len(prefix):]: v for k, v in loaded.items()}, shape)
+            for part, name in llama_tensors.hf_layer_names(layer, shape.qkv_bias).items():
+                writer.add(name, hf[part])
+        writer.add(llama_tensors.HF_FINAL_NORM, ends["decoder.final_layernorm.weight"])
+        if not shape.tied_embeddings:
+            writer.add(llama_tensors.HF_OUTPUT, ends["output_layer.weight"][: shape.vocab_size])
+        writer.close()
+        copy_hf_side_files(options.tokenizer_model or hf_dir, work_dir)
+        with open(os.path.join(work_dir, "config.json"), "w") as f:
+            json.dump({**config, "dtype": _DTYPE_NAMES[dtype], "torch_dtype": _DTYPE_NAMES[dtype]}, f, indent=2)
+    print(f"wrote the Hugging Face model ({shape.architecture}, {len(set(writer.weight_map.values()))} files, "
+          f"{writer.total_bytes / 1e9:.3f} GB) to {options.save_dir}", flush=True)
