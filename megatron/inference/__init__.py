@@ -1,0 +1,1 @@
+"""Text generation with our models (the start of Megatron-LM's ``megatron.inference`` counterpart)."""

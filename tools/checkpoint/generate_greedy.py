@@ -1,0 +1,76 @@
+"""Load a checkpoint with our setup at any TP/PP and write its logits and greedy continuations of prompts.
+
+    torchrun --nproc_per_node 4 tools/checkpoint/generate_greedy.py $(cat OUT/model_args.txt) \
+        --seq-length 64 --prompts-json prompts.json --max-new-tokens 16 --output result.pt
+
+prompts.json is a list of strings of the same token count (no padding without a KV cache). The
+last stage's first tensor-parallel rank writes ``{"tokens", "logits"}`` (the prompts' logits over
+the tokenizer's vocabulary) with torch.save.
+"""
+
+import functools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
+from megatron.core import parallel_state  # noqa: E402
+
+import pretrain_gpt  # noqa: E402
+from megatron.inference.greedy import greedy_generate, logits  # noqa: E402
+from megatron.training.arguments import parse_args  # noqa: E402
+from megatron.training.checkpointing import load_checkpoint, use_checkpoint_vocab_padding  # noqa: E402
+from megatron.training.errors import UserError, exit_on_user_error  # noqa: E402
+from megatron.training.initialize import initialize_megatron, shutdown  # noqa: E402
+from megatron.training.model_setup import build_model  # noqa: E402
+from megatron.training.tokenizer import build_tokenizer  # noqa: E402
+from megatron.training.validate_args import validate_args  # noqa: E402
+
+# Flags pretrain_gpt.py requires that generation does not use (the command line overrides them).
+_TRAINING_ONLY = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
+
+
+def _generation_args(parser):
+    g = parser.add_argument_group("generation")
+    g.add_argument("--prompts-json", required=True, help="a JSON list of prompts of the same token count")
+    g.add_argument("--max-new-tokens", type=int, default=16)
+    g.add_argument("--output", required=True, help="where to torch.save {'tokens', 'logits'}")
+
+
+def _prompt_tokens(path, tokenizer, device):
+    with open(path) as f:
+        prompts = json.load(f)
+    ids = [tokenizer.tokenize(prompt) for prompt in prompts]
+    if len({len(one) for one in ids}) != 1:
+        raise UserError(f"--prompts-json {path}: the prompts have {sorted({len(one) for one in ids})} tokens; "
+                        f"give prompts of one length")
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+@exit_on_user_error
+def main():
+    args = parse_args(_TRAINING_ONLY + sys.argv[1:], "generate_greedy.py", extra_args_provider=_generation_args)
+    validate_args(args)
+    args.finetune = True  # weights only
+    use_checkpoint_vocab_padding(args)
+    tokenizer = build_tokenizer(args)
+    initialize_megatron(args)
+    model = build_model(args, functools.partial(pretrain_gpt.model_provider, args))
+    load_checkpoint(args, model, None, None)
+    for chunk in model:
+        chunk.eval()
+    prompts = _prompt_tokens(args.prompts_json, tokenizer, torch.device(args.device))
+    prompt_logits = logits(model, prompts)
+    tokens = greedy_generate(model, prompts, args.max_new_tokens, tokenizer.vocab_size)
+    if prompt_logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
+        torch.save({"tokens": tokens.cpu(), "logits": prompt_logits[..., :tokenizer.vocab_size].float().cpu()},
+                   args.output)
+        print(f"wrote {args.output}: {tokens.shape[0]} sequences of {tokens.shape[1]} tokens", flush=True)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
