@@ -3,7 +3,8 @@
 Shards are read one after the other, each tensor copied out of the memory-mapped file in the
 target dtype. megatron-core's dist_checkpointing saves a whole state dict at once (its writer
 holds every tensor it writes, cloning views of larger storages), so the peak host memory is about
-the converted model once, not one shard plus one layer.
+the converted model once, not one shard plus one layer (measured: 746 MB peak RSS for a 320 MB
+bf16 model in 100 MB shards, of which 357 MB is the imports).
 """
 
 import json
@@ -26,13 +27,13 @@ ITERATION = 1  # Megatron-LM's converter saves iteration 1 too; --finetune resta
 
 
 def shard_files(hf_dir):
-    """The safetensors files of ``hf_dir``, in the order of its index."""
+    """The safetensors files of ``hf_dir``, in name order."""
     if not os.path.isdir(hf_dir):
         raise UserError(f"--load-dir {hf_dir} is not a directory")
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
-            names = list(dict.fromkeys(json.load(f)["weight_map"].values()))
+            names = sorted(set(json.load(f)["weight_map"].values()))
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         names = ["model.safetensors"]
     else:
