@@ -64,8 +64,8 @@ def layer_keys(templates, layer):
 
 
 def joined(parts):
-    """One template for consecutive row parts of a tensor (fc1's gate and up): megatron-core reads
-    several parts of one key in a single request wrongly, one part spanning them correctly."""
+    """One template spanning consecutive row parts of a tensor (fc1's gate and up), so that a read
+    asks for each key once and splits the result."""
     first, rows = parts[0], sum(part.local_shape[0] for part in parts)
     axis = first.prepend_axis_num
     fragments = list(first.axis_fragmentations)
