@@ -3,6 +3,16 @@
 from dataclasses import asdict, dataclass, field
 
 
+BLOCKED_LISTED = 16  # the text report lists this many blocked ranks; the JSON has all
+
+
+def _blocked_line(entry):
+    line = f"rank {entry['rank']}: in {entry['operation']}, waiting for rank(s) {entry['waits_for']}"
+    if entry["behind"] != entry["waits_for"]:
+        line += f", behind hung rank(s) {entry['behind']}" if entry["behind"] else ", in a cycle (deadlock)"
+    return line
+
+
 @dataclass
 class Suspect:
     rank: int
@@ -26,6 +36,7 @@ class Report:
     links: list
     alignment: dict  # rank -> residual_us
     notes: list
+    blocked: list = field(default_factory=list)  # [{rank, coords, operation, waits_for, behind}] in a hang
 
     def to_json(self):
         return asdict(self)
@@ -43,6 +54,12 @@ class Report:
         if self.victims:
             lines.append("Victims (they lag only because they wait):")
             lines += [f"   rank {v['rank']}: {v['note']}" for v in self.victims]
+        if self.blocked:
+            lines.append(f"Blocked (not hung: each waits, directly or through others, for a hung rank): "
+                         f"{len(self.blocked)} rank(s)")
+            lines += [f"   {_blocked_line(entry)}" for entry in self.blocked[:BLOCKED_LISTED]]
+            if len(self.blocked) > BLOCKED_LISTED:
+                lines.append(f"   ... and {len(self.blocked) - BLOCKED_LISTED} more (all in --report-json)")
         slow = [link for link in self.links if link["slow"]]
         for link in slow:
             lines.append(f"Slow link {link['src']} -> {link['dst']}: {link['bandwidth_gbps']:.2f} GB/s, "

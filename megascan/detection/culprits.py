@@ -1,0 +1,67 @@
+"""Name the slow ranks from the delay attribution, with their evidence.
+
+A rank is a culprit when its own work is slower than its peers' (the GPU is slow, not only late) and
+that excess is what others waited for (it delayed them): every rank that meets both is named, so two
+slow GPUs are both named, whichever of them set the iteration's pace. A victim's own work is as fast
+as its peers', and a healthy GPU that happens to be the slowest of its group is only a few percent
+slower, so neither passes both tests.
+"""
+
+from megascan.detection.report import Suspect
+
+# Own compute this many times what its peers take for the same work. Healthy GPUs of one model agree
+# within a few percent (+-3 % in tests/simulated_traces.py; a healthy H200 pair in docs/benchmarks.md
+# differed by 1.10x with one host lagging), a 1.2x slow GPU measures 1.15x or more against peers up to
+# 3 % faster. CPU processes sharing an oversubscribed host (tests, --device cpu) differ by up to ~1.5x.
+SLOW_RATIO = {"cuda_event": 1.12, "host_clock": 2.0}
+# The excess others waited for, as a share of the traced iterations: a healthy GPU's few percent of
+# excess, on the work it happens to be last at, come to under 3 % of an iteration; a 1.2x culprit's
+# to 5 % or more. Below this a rank delayed nobody measurably, however slow.
+MIN_CAUSED_SHARE = 0.01
+TOP_GROUPS = 3
+
+
+def _slowness(rank, compute, delay):
+    """Compute of identical operations where the trace has them (GPU time), else own work between syncs."""
+    return compute[rank]["ratio"] if rank in compute else delay.own_ratio
+
+
+def _waits_caused(rank, groups):
+    caused = sorted(((group.imposed[rank], group) for group in groups.values() if group.imposed.get(rank)),
+                    key=lambda item: -item[0])
+    return "; ".join(f"{group.name}: {us / 1e3:.1f} ms (last in {group.last[rank]} of {group.instances})"
+                     for us, group in caused[:TOP_GROUPS]) + (f"; {len(caused) - TOP_GROUPS} more groups"
+                                                              if len(caused) > TOP_GROUPS else "")
+
+
+def _evidence(rank, attribution, compute, delay, groups):
+    path = attribution.path_us
+    lines = [f"delay it caused: its own work before the operations others waited for took "
+             f"{delay.caused_us / 1e3:.1f} ms longer than its peers of the same role take for the same work "
+             f"({100 * delay.caused_us / path:.1f}% of the {attribution.iterations} traced iterations' "
+             f"{path / 1e3:.1f} ms)",
+             f"critical path: {100 * delay.path_us / path:.0f}% of it is this rank's own work, which made the "
+             f"iterations {max(delay.charged_us, 0.0) / 1e3:.1f} ms longer than its peers' speed would have"]
+    if rank in compute:
+        lines.append(f"compute: its own compute took {compute[rank]['ratio']:.2f}x what the other ranks take for "
+                     f"the same operations (theirs: {compute[rank]['others_ratio']:.2f}x; "
+                     f"{compute[rank]['samples']} samples)")
+    lines.append(f"own work between synchronisations: {delay.own_ratio:.2f}x what its peers of the same pipeline "
+                 f"stage take")
+    waits = _waits_caused(rank, groups)
+    if waits:
+        lines.append(f"waits it caused: {waits}")
+    return lines
+
+
+def find_culprits(merged, attribution, compute, groups, nvml):
+    """Suspect (kind "slow_rank") per culprit, the most delay first."""
+    suspects = []
+    for rank, delay in attribution.ranks.items():
+        trace = merged.ranks[rank]
+        ratio = _slowness(rank, compute, delay)
+        share = delay.caused_us / attribution.path_us if attribution.path_us > 0 else 0.0
+        if ratio >= SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]) and share >= MIN_CAUSED_SHARE:
+            suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank", share,
+                                    _evidence(rank, attribution, compute, delay, groups) + nvml.get(rank, [])))
+    return sorted(suspects, key=lambda suspect: -suspect.score)

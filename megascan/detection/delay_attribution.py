@@ -1,0 +1,92 @@
+"""Charge the time on each iteration's critical path to whoever made it long.
+
+Every own-work segment on the path is measured against what the rank's peers of the same role take
+for the same work (the median of the others with the same role key, RankTimelines): its excess, which
+may be negative, is charged to that rank. A victim's segments on the path are as long as its peers',
+so it is charged nothing however long it waited; waiting itself is never on the path. Transfer
+segments are measured the same way against the same transfer elsewhere and charged to the link (a
+send/recv pair) or the process group (a collective).
+
+The iteration's length is then the path's expected length plus every charge: the charges say how much
+longer each culprit made the iteration.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from megascan.detection.robust import medians_of_others
+
+
+@dataclass
+class RankDelay:
+    rank: int
+    path_us: float = 0.0  # its own work on the critical paths
+    charged_us: float = 0.0  # that work's excess over its peers' (what it added to the iterations)
+    caused_us: float = 0.0  # its excess before operations where others waited for it (the delay it caused)
+    own_us: float = 0.0  # all its own work that has peers to compare with ...
+    peers_us: float = 0.0  # ... and what its peers take for the same work
+
+    @property
+    def own_ratio(self):
+        return self.own_us / self.peers_us if self.peers_us > 0 else float("nan")
+
+
+@dataclass
+class DelayAttribution:
+    path_us: float  # all critical paths together
+    iterations: int
+    ranks: dict  # rank -> RankDelay
+    transfers: dict = field(default_factory=dict)  # (kind, name) -> charged us: ("link", (src, dst)) or ("group", id)
+
+
+def _transfer_times(timelines):
+    """Per record: its finish minus its instance's last arrival (nan where unknown)."""
+    arrival = np.full(len(timelines.start), np.nan)
+    last = timelines.last_arrival
+    for number, instance in enumerate(timelines.instance.tolist()):
+        if instance in last:
+            arrival[number] = timelines.start[last[instance]]
+    return np.maximum(timelines.end - arrival, 0.0)
+
+
+def _transfer_owner(timelines, record):
+    _, instance, _ = timelines.records[record]
+    if instance.kind == "p2p":
+        return "link", (instance.src, instance.dst)
+    return "group", f"{instance.role} {sorted(instance.records)}"
+
+
+def attribute_delays(timelines, paths):
+    """DelayAttribution of the critical paths (module docstring)."""
+    expected_gap = medians_of_others(timelines.gap, timelines.role_key)
+    ranks = {}
+    comparable = ~np.isnan(expected_gap)
+    own = np.bincount(timelines.rank[comparable], weights=timelines.gap[comparable]) if comparable.any() else []
+    peers = np.bincount(timelines.rank[comparable], weights=expected_gap[comparable]) if comparable.any() else []
+    for rank in np.unique(timelines.rank).tolist():
+        delay = ranks[rank] = RankDelay(rank)
+        if rank < len(own):
+            delay.own_us, delay.peers_us = float(own[rank]), float(peers[rank])
+    transfer = _transfer_times(timelines)
+    expected_transfer = medians_of_others(transfer, timelines.role_key)
+    charged_transfers = defaultdict(float)
+    for path in paths:
+        for record in path.work:
+            delay = ranks[int(timelines.rank[record])]
+            delay.path_us += timelines.gap[record]
+            if comparable[record]:
+                delay.charged_us += timelines.gap[record] - expected_gap[record]
+        for finishing, _ in path.transfers:
+            excess = transfer[finishing] - expected_transfer[finishing]
+            if not np.isnan(excess):
+                charged_transfers[_transfer_owner(timelines, finishing)] += float(excess)
+    # Off the iteration's path too, the work before an operation that others waited for delayed them: a
+    # slow GPU in the DP replica that was not the slowest still held its own replica back.
+    waited_for = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
+    waited_for = waited_for[comparable[waited_for]]
+    caused = np.bincount(timelines.rank[waited_for], weights=timelines.gap[waited_for] - expected_gap[waited_for])
+    for rank, delay in ranks.items():
+        delay.caused_us = float(caused[rank]) if rank < len(caused) else 0.0
+    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_transfers))
