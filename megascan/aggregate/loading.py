@@ -154,6 +154,10 @@ def _read_rank_file(path, problems):
     for line in issued:
         if line["window"] not in rank_file.windows:  # a window line supersedes the window's issued lines
             _add_issued(rank_file.stalled, line)
+    for window in (rank_file.windows, rank_file.stalled):  # each op knows its window: clocks are per window
+        for number, line in window.items():
+            for op in line["ops"]:
+                op["window"] = number
     coords = metadata["coords"]
     named = dict(zip(("dp", "pp", "tp"), map(int, TRACE_FILE.match(name).groups())))
     if named != {axis: coords.get(axis) for axis in named}:
