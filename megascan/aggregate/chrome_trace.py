@@ -10,6 +10,9 @@ Times are microseconds since the earliest merged event. Format: docs/megascan_ag
 """
 
 import json
+from json.encoder import encode_basestring
+
+import numpy as np
 
 from megascan.aggregate.atomic_file import replaced_on_success
 from megascan.aggregate.loading import coords_name
@@ -18,12 +21,24 @@ from megascan.aggregate.loading import coords_name
 _TRACKS = {"compute": (0, "depth"), "collectives": (100, "overlap"), "p2p": (200, "overlap")}
 _INSIDE_US = 0.001  # flow points sit this far inside their slice, so that viewers bind them to it
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# Slices and flows, a million and more at a thousand ranks, are written as JSON text straight from these
+# templates (numbers are finite floats and ints, strings go through the encoder): building a dict per
+# event and encoding it took most of the time of writing the trace.
+_SLICE = '{{"ph":"X","name":{},"cat":{},"pid":{},"tid":{},"ts":{!r},"dur":{!r},"args":{}}}'
+_FLOW_START = '{{"ph":"s","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
+_WRITE_BATCH = 10_000  # events per write call
+_OP_FIELDS = ("peer", "bytes", "dtype", "iteration", "microbatch", "chunk", "phase")
+_FLOW_END = '{{"ph":"f","bp":"e","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
 
 
 def _lanes(intervals):
     """A lane per (start, end), no two overlapping in one lane; a slice nested in another goes deeper."""
+    bounds = np.array(intervals, dtype=np.float64).reshape(-1, 2)
+    order = np.lexsort((-bounds[:, 1], bounds[:, 0]))
+    if np.all(bounds[order[1:], 0] >= bounds[order[:-1], 1]):  # one after the other (ops, mostly): one lane
+        return [0] * len(intervals)
     lanes, lane_ends = [0] * len(intervals), []
-    for index in sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1])):
+    for index in order.tolist():
         start, end = intervals[index]
         lane = next((lane for lane, last in enumerate(lane_ends) if last <= start), len(lane_ends))
         if lane == len(lane_ends):
@@ -37,10 +52,24 @@ def _end(item):
     return item["start"] if item["end"] is None else item["end"]
 
 
-def _span(item, origin):
-    """(ts, dur) rounded to nanoseconds such that ts + dur is the rounded end: adjacent slices stay apart."""
-    ts = round(item["start"] - origin, 3)
-    return ts, round(round(_end(item) - origin, 3) - ts, 3)
+def _spans(items, origin):
+    """[(ts, dur)] rounded to nanoseconds such that ts + dur is the rounded end: adjacent slices stay apart."""
+    starts = np.array([item["start"] for item in items], dtype=np.float64) - origin
+    ends = np.array([_end(item) for item in items], dtype=np.float64) - origin
+    ts = np.round(starts, 3)
+    return zip(ts.tolist(), np.round(np.round(ends, 3) - ts, 3).tolist())
+
+
+def _json(value):
+    """A JSON value as text: the common kinds directly, the rest through the encoder."""
+    if value is None:
+        return "null"
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if kind is str:
+        return encode_basestring(value)
+    return _encode(value)
 
 
 def _tracks(family, items, names):
@@ -59,43 +88,63 @@ def _thread_names(pid, names):
         yield {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}}
 
 
-def _op_slice(pid, tid, instance, record, origin):
+def _op_args(instance, record, cache):
+    """The op slice's args as JSON text; the parts shared by many records are built once."""
+    shared = cache.get(instance.id)
+    if shared is None:
+        shared = cache[instance.id] = (f'{{"instance":{instance.id},"group":{_json(instance.group)},'
+                                       f'"role":{_json(instance.role)},"seq":{_json(instance.seq)}')
+    fields = (record.get("peer"), record.get("bytes"), record.get("dtype"), record.get("iteration"),
+              record.get("microbatch"), record.get("chunk"), record.get("phase"))
+    own = cache.get(fields)
+    if own is None:
+        own = cache[fields] = ",".join(f'"{key}":{_json(value)}' for key, value in zip(_OP_FIELDS, fields))
+    extra = ""
     duration = _end(record) - record["start"]
-    args = {"instance": instance.id, "group": instance.group, "role": instance.role, "seq": instance.seq,
-            "peer": record.get("peer"), "bytes": record.get("bytes"), "dtype": record.get("dtype"),
-            "iteration": record.get("iteration"), "microbatch": record.get("microbatch"),
-            "chunk": record.get("chunk"), "phase": record.get("phase")}
     if record.get("issued_only"):
-        args["end"] = "unknown: only issued (the window never finished)"
+        extra = ',"end":"unknown: only issued (the window never finished)"'
     elif record["end"] is None:
-        args["end"] = "unknown: the rank never waited for it"
+        extra = ',"end":"unknown: the rank never waited for it"'
     elif duration > 0 and record.get("bytes"):
-        args["bandwidth_GBps"] = round(record["bytes"] / duration / 1e3, 3)
+        extra = f',"bandwidth_GBps":{round(record["bytes"] / duration / 1e3, 3)!r}'
     if instance.missing:
-        args["missing_ranks"] = instance.missing
-    if instance.kind == "p2p":
-        name = f"{record['op']} {'to' if pid == instance.src else 'from'} {record.get('peer')}"
-    else:
-        name = f"{record['op']} {instance.role}"
-    ts, dur = _span(record, origin)
-    return {"ph": "X", "name": name, "cat": instance.kind, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+        extra += f',"missing_ranks":{_encode(instance.missing)}'
+    return f"{shared},{own}{extra}}}"
 
 
-def _event_slice(pid, tid, event, origin):
-    ts, dur = _span(event, origin)
-    return {"ph": "X", "name": event["name"], "cat": event.get("cat", "compute"), "pid": pid, "tid": tid,
-            "ts": ts, "dur": dur, "args": {key: event.get(key) for key in ("iteration", "microbatch", "chunk", "layer")}}
+def _op_slices(pid, tids, ops, origin, cache):
+    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks."""
+    for tid, (instance, record), (ts, dur) in zip(tids, ops, _spans([record for _, record in ops], origin)):
+        if instance.kind == "p2p":
+            name = f"{record['op']} {'to' if pid == instance.src else 'from'} {record.get('peer')}"
+        else:
+            name = f"{record['op']} {instance.role}"
+        yield _SLICE.format(_json(name), _json(instance.kind), pid, tid, ts, dur, _op_args(instance, record, cache))
 
 
-def _rank_slices(trace, sort_index, records, origin, tid_of):
+def _event_slices(pid, tids, events, origin, cache):
+    """Slices (JSON text) of one rank's compute events on their tracks."""
+    for tid, event, (ts, dur) in zip(tids, events, _spans(events, origin)):
+        fields = (event["name"], event.get("cat", "compute"), event.get("iteration"), event.get("microbatch"),
+                  event.get("chunk"), event.get("layer"))
+        text = cache.get(fields)
+        if text is None:  # name, cat and args: the same for the same layer and microbatch on many ranks
+            text = cache[fields] = (f'{_json(fields[0])},"cat":{_json(fields[1])},"pid":{{}},"tid":{{}},"ts":{{!r}},'
+                                    f'"dur":{{!r}},"args":{{{{"iteration":{_json(fields[2])},'
+                                    f'"microbatch":{_json(fields[3])},"chunk":{_json(fields[4])},'
+                                    f'"layer":{_json(fields[5])}}}}}}}}}')
+        yield '{"ph":"X","name":' + text.format(pid, tid, ts, dur)
+
+
+def _rank_slices(trace, sort_index, records, origin, tid_of, cache):
     pid, names = trace.rank, {}
-    slices = [_event_slice(pid, tid, event, origin)
-              for tid, event in zip(_tracks("compute", trace.events, names), trace.events)]
+    slices = list(_event_slices(pid, _tracks("compute", trace.events, names), trace.events, origin, cache))
     for family in ("collectives", "p2p"):
         ops = [(instance, record) for instance, record in records if (instance.kind == "p2p") == (family == "p2p")]
-        for tid, (instance, record) in zip(_tracks(family, [record for _, record in ops], names), ops):
+        tids = _tracks(family, [record for _, record in ops], names)
+        for tid, (instance, _) in zip(tids, ops):
             tid_of[pid, instance.id] = tid
-            slices.append(_op_slice(pid, tid, instance, record, origin))
+        slices += _op_slices(pid, tids, ops, origin, cache)
     yield {"ph": "M", "name": "process_name", "pid": pid,
            "args": {"name": f"{coords_name(trace.coords)} (rank {pid})"}}
     yield {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}
@@ -120,13 +169,16 @@ def _flow_pairs(instance):
 def _flows(instances, origin, tid_of):
     flow_id = 0
     for instance in instances:
-        for source, target in _flow_pairs(instance):
+        pairs = _flow_pairs(instance)
+        if not pairs:
+            continue
+        name, records = _json(instance.op), instance.records
+        for source, target in pairs:
             flow_id += 1
-            common = {"name": instance.op, "cat": f"flow.{instance.kind}", "id": flow_id}
-            yield {"ph": "s", "pid": source, "tid": tid_of[source, instance.id],
-                   "ts": round(_inside(instance.records[source], False) - origin, 3), **common}
-            yield {"ph": "f", "bp": "e", "pid": target, "tid": tid_of[target, instance.id],
-                   "ts": round(_inside(instance.records[target], True) - origin, 3), **common}
+            yield _FLOW_START.format(source, tid_of[source, instance.id], round(_inside(records[source], False) - origin, 3),
+                                     name, instance.kind, flow_id)
+            yield _FLOW_END.format(target, tid_of[target, instance.id], round(_inside(records[target], True) - origin, 3),
+                                   name, instance.kind, flow_id)
 
 
 def time_origin(merged):
@@ -144,8 +196,9 @@ def chrome_trace_events(merged, origin):
             records[rank].append((instance, record))
     tid_of = {}
     layout_order = sorted(merged.ranks.values(), key=lambda t: (t.coords["dp"], t.coords["pp"], t.coords["tp"]))
+    cache = {}  # JSON text of args parts that many records share
     for sort_index, trace in enumerate(layout_order):
-        yield from _rank_slices(trace, sort_index, records[trace.rank], origin, tid_of)
+        yield from _rank_slices(trace, sort_index, records[trace.rank], origin, tid_of, cache)
     yield from _flows(merged.instances, origin, tid_of)
 
 
@@ -156,9 +209,13 @@ def write_chrome_trace(merged, path):
              "time_origin_us": origin, "unaligned": {str(r): why for r, why in merged.unaligned.items()},
              "problems": merged.problems}
     with replaced_on_success(path) as temporary, open(temporary, "w") as out:
-        out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
-        separator = ""
-        for event in chrome_trace_events(merged, origin):
-            out.write(separator + _encode(event))
-            separator = ",\n"
+        out.write('{"displayTimeUnit":"ms","traceEvents":[')
+        batch, separator = [], "\n"
+        for event in chrome_trace_events(merged, origin):  # slices and flows come as text, metadata as dicts
+            batch.append(event if isinstance(event, str) else _encode(event))
+            if len(batch) == _WRITE_BATCH:
+                out.write(separator + ",\n".join(batch))
+                batch, separator = [], ",\n"
+        if batch:
+            out.write(separator + ",\n".join(batch))
         out.write('\n],"otherData":' + _encode(other) + "}\n")
