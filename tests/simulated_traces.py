@@ -92,6 +92,10 @@ class HostClocks:
         anchor = self.anchors[window]
         return self.wall(rank, anchor) + (1.0 + self.rate[rank]) * (t - anchor) + self.errors[window][rank]
 
+    def true_time(self, rank, window, local):
+        anchor = self.anchors[window]
+        return anchor + (local - self.errors[window][rank] - self.wall(rank, anchor)) / (1.0 + self.rate[rank])
+
     def reference(self, window, t):
         """What aligned times should read: rank 0's clock in that window."""
         return self.local(0, window, t)

@@ -32,7 +32,7 @@ __all__ = ["Report", "Suspect", "detect"]
 def detect(merged):
     timelines = build_timelines(merged)
     attribution = attribute_delays(timelines, critical_paths(timelines))
-    groups = group_waits(merged)
+    groups = group_waits(timelines)
     hung, blocked = classify_hang(merged)
     suspects = hang_suspects(merged, hung)
     hung_ranks = {suspect.rank for suspect in suspects}

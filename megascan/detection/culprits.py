@@ -29,7 +29,7 @@ def _slowness(rank, compute, delay):
 def _waits_caused(rank, groups):
     caused = sorted(((group.imposed[rank], group) for group in groups.values() if group.imposed.get(rank)),
                     key=lambda item: -item[0])
-    return "; ".join(f"{group.name}: {us / 1e3:.1f} ms (last in {group.last[rank]} of {group.instances})"
+    return "; ".join(f"{group.name}: {us / 1e3:.1f} ms (last in {group.last.get(rank, 0)} of {group.instances})"
                      for us, group in caused[:TOP_GROUPS]) + (f"; {len(caused) - TOP_GROUPS} more groups"
                                                               if len(caused) > TOP_GROUPS else "")
 
@@ -54,14 +54,32 @@ def _evidence(rank, attribution, compute, delay, groups):
     return lines
 
 
+def _masked_evidence(delay, named, attribution):
+    behind = {rank: us for rank, us in delay.masked_us.items() if rank in named and us > 0}
+    return (f"masked: its own work before the operations in which it waited for slower culprit(s) "
+            f"{sorted(behind)} took {sum(behind.values()) / 1e3:.1f} ms longer than its peers' "
+            f"({100 * sum(behind.values()) / attribution.path_us:.1f}% of the traced iterations): it will hold "
+            f"the job back once they are fixed")
+
+
 def find_culprits(merged, attribution, compute, groups, nvml):
-    """Suspect (kind "slow_rank") per culprit, the most delay first."""
+    """Suspect (kind "slow_rank") per culprit, the most delay first: first the ranks whose excess others waited
+    for, then slow ranks whose excess only a slower culprit hid (it waited for that one)."""
+    path = attribution.path_us
+    if path <= 0:
+        return []
+    slow = {rank: delay for rank, delay in attribution.ranks.items()
+            if _slowness(rank, compute, delay) >= SLOW_RATIO.get(merged.ranks[rank].timer, SLOW_RATIO["cuda_event"])}
+    named = {rank for rank, delay in slow.items() if delay.caused_us >= MIN_CAUSED_SHARE * path}
+    masked = {rank for rank, delay in slow.items() if rank not in named
+              and sum(us for other, us in delay.masked_us.items() if other in named) >= MIN_CAUSED_SHARE * path}
     suspects = []
-    for rank, delay in attribution.ranks.items():
-        trace = merged.ranks[rank]
-        ratio = _slowness(rank, compute, delay)
-        share = delay.caused_us / attribution.path_us if attribution.path_us > 0 else 0.0
-        if ratio >= SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]) and share >= MIN_CAUSED_SHARE:
-            suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank", share,
-                                    _evidence(rank, attribution, compute, delay, groups) + nvml.get(rank, [])))
+    for rank in named | masked:
+        trace, delay = merged.ranks[rank], slow[rank]
+        evidence = _evidence(rank, attribution, compute, delay, groups)
+        if rank in masked:
+            evidence.insert(1, _masked_evidence(delay, named, attribution))
+        score = max(delay.caused_us, sum(us for other, us in delay.masked_us.items() if other in named)) / path
+        suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank", score,
+                                evidence + nvml.get(rank, [])))
     return sorted(suspects, key=lambda suspect: -suspect.score)

@@ -25,6 +25,9 @@ class RankDelay:
     path_us: float = 0.0  # its own work on the critical paths
     charged_us: float = 0.0  # that work's excess over its peers' (what it added to the iterations)
     caused_us: float = 0.0  # its excess before operations where others waited for it (the delay it caused)
+    # Its excess before operations in which it waited for another rank, by that rank: the delay it would cause
+    # if that rank were not slower still (two slow TP peers: the slower one arrives last every time).
+    masked_us: dict = field(default_factory=dict)
     own_us: float = 0.0  # all its own work that has peers to compare with ...
     peers_us: float = 0.0  # ... and what its peers take for the same work
 
@@ -52,10 +55,21 @@ def _transfer_times(timelines):
 
 
 def _transfer_owner(timelines, record):
-    _, instance, _ = timelines.records[record]
+    instance = timelines.instances[timelines.instance[record]]
     if instance.kind == "p2p":
         return "link", (instance.src, instance.dst)
     return "group", f"{instance.role} {sorted(instance.records)}"
+
+
+def _add_masked(timelines, comparable, excess, ranks):
+    """RankDelay.masked_us: each record's excess, by the rank that arrived last at its operation."""
+    last_rank = {instance: int(timelines.rank[record]) for instance, record in timelines.last_arrival.items()}
+    waited_for = np.array([last_rank.get(instance, -1) for instance in timelines.instance.tolist()], dtype=np.int64)
+    behind = comparable & (waited_for >= 0) & (waited_for != timelines.rank)
+    pairs, pair_of = np.unique(np.stack([timelines.rank[behind], waited_for[behind]]), axis=1, return_inverse=True)
+    totals = np.bincount(pair_of.ravel(), weights=excess[behind], minlength=pairs.shape[1])
+    for (rank, other), total in zip(pairs.T.tolist(), totals.tolist()):
+        ranks[rank].masked_us[other] = total
 
 
 def attribute_delays(timelines, paths):
@@ -89,4 +103,5 @@ def attribute_delays(timelines, paths):
     caused = np.bincount(timelines.rank[waited_for], weights=timelines.gap[waited_for] - expected_gap[waited_for])
     for rank, delay in ranks.items():
         delay.caused_us = float(caused[rank]) if rank < len(caused) else 0.0
+    _add_masked(timelines, comparable, timelines.gap - expected_gap, ranks)
     return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_transfers))

@@ -24,7 +24,7 @@ NO_RECORD = -1
 
 @dataclass
 class RankTimelines:
-    records: list  # record number -> (rank, OpInstance, op record dict)
+    instances: list  # the merged trace's OpInstances, by id
     rank: np.ndarray  # record number -> rank
     start: np.ndarray  # arrival, global us
     end: np.ndarray  # finish on this rank, global us (nan: never waited for it)
@@ -42,76 +42,109 @@ class RankTimelines:
         return dict(zip(ranks.tolist(), np.split(order, first[1:])))
 
 
-def _iteration_starts(merged):
-    return {(rank, event.get("iteration")): event["start"] for rank, trace in merged.ranks.items()
-            for event in trace.events if event["name"] == "iteration"}
+KIND_CODES = {"collective": 0, "send": 1, "recv": 2}
 
 
-def _collect(merged):
-    """The records that were reached (not only issued), grouped per rank, and each instance's last arrival."""
-    per_rank, last_arrival = {rank: [] for rank in merged.ranks}, {}
+def _reached_records(merged):
+    """The records that were reached (not only issued) as rows (rank, start, end, instance, iteration, kind,
+    peer offset), and which instances are complete (every member finished them)."""
+    rows, ranks, nan = [], merged.ranks, np.nan
+    complete = np.zeros(len(merged.instances), dtype=bool)
     for instance in merged.instances:
-        complete = not instance.missing
-        latest = None
+        whole, number = not instance.missing, instance.id
         for rank, record in instance.records.items():
-            if record.get("issued_only") or rank not in per_rank:
-                complete = False
+            if "issued_only" in record or rank not in ranks:
+                whole = False
                 continue
-            per_rank[rank].append((record["start"], instance, record))
-            if latest is None or record["start"] > latest[0]:
-                latest = (record["start"], rank, record)
-        if complete and latest is not None:
-            last_arrival[instance.id] = latest[2]
-    return per_rank, last_arrival
+            end, peer, iteration = record["end"], record.get("peer"), record.get("iteration")
+            rows.append((rank, record["start"], nan if end is None else end, number,
+                         -1 if iteration is None else iteration, KIND_CODES[record["kind"]],
+                         0 if peer is None else peer - rank))
+        complete[number] = whole
+    return np.array(rows, dtype=np.float64).reshape(-1, 7), complete
 
 
-def _role_keys(rank, stage, items, keys):
-    """The id of each record's role key (module docstring), numbering new keys in ``keys``."""
-    occurrences, ids = {}, []
-    for _, instance, record in items:
-        peer = record.get("peer")
-        signature = (record.get("iteration"), instance.role, record["kind"], None if peer is None else peer - rank)
-        occurrence = occurrences.get(signature, 0)
-        occurrences[signature] = occurrence + 1
-        ids.append(keys.setdefault((stage, *signature, occurrence), len(keys)))
+def _iteration_began(merged, rank, iteration, start):
+    """Per record: when its rank's ``iteration`` event began (the record's own start where there is none)."""
+    events = [(r, e.get("iteration"), e["start"]) for r, trace in merged.ranks.items() for e in trace.events
+              if e["name"] == "iteration" and isinstance(e.get("iteration"), int)]
+    if not events:
+        return start.copy()
+    keys = np.array([r * 2**32 + i for r, i, _ in events], dtype=np.int64)
+    order = np.argsort(keys)
+    keys, began = keys[order], np.array([s for _, _, s in events], dtype=np.float64)[order]
+    wanted = rank * 2**32 + iteration
+    at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+    return np.where(keys[at] == wanted, began[at], start)
+
+
+def _prev_and_gap(rank, start, end, iteration, began):
+    """prev and gap (module docstring) of records sorted by rank, then arrival."""
+    prev = np.full(len(start), NO_RECORD, dtype=np.int64)
+    _, first = np.unique(rank, return_index=True)
+    for lo, hi in zip(first, list(first[1:]) + [len(start)]):
+        ends = end[lo:hi]
+        finished = np.flatnonzero(~np.isnan(ends))
+        by_end = finished[np.argsort(ends[finished], kind="stable")]
+        # The finish each arrival followed: this rank's latest finish at or before it.
+        position = np.searchsorted(ends[by_end], start[lo:hi], side="right") - 1
+        if len(by_end):
+            prev[lo:hi] = np.where(position >= 0, lo + by_end[np.maximum(position, 0)], NO_RECORD)
+    same_iteration = (prev != NO_RECORD) & (iteration[prev] == iteration)
+    prev = np.where(same_iteration, prev, NO_RECORD)
+    since = np.where(same_iteration, end[prev], began)
+    return prev, np.maximum(start - since, 0.0)
+
+
+def _starts(values):
+    """Per element of a sorted array: whether it differs from the one before (starts a run)."""
+    new = np.ones(len(values), dtype=bool)
+    new[1:] = values[1:] != values[:-1]
+    return new
+
+
+def _ids(columns):
+    """Each row's number among the distinct rows of equal-length integer ``columns``."""
+    order = np.lexsort(columns[::-1])
+    stacked = np.stack(columns)[:, order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = np.any(stacked[:, 1:] != stacked[:, :-1], axis=0)
+    ids = np.empty(len(order), dtype=np.int64)
+    ids[order] = np.cumsum(new) - 1
     return ids
 
 
-def _rank_columns(rank, items, iteration_start):
-    """start, end, iteration, prev (index within ``items``) and gap of one rank's records in arrival order."""
-    start = np.array([item[0] for item in items], dtype=np.float64)
-    end = np.array([np.nan if r["end"] is None else r["end"] for _, _, r in items], dtype=np.float64)
-    iteration = np.array([-1 if r.get("iteration") is None else r["iteration"] for _, _, r in items], dtype=np.int64)
-    finished = np.flatnonzero(~np.isnan(end))
-    by_end = finished[np.argsort(end[finished], kind="stable")]
-    # The finish each arrival followed: this rank's latest finish at or before it, in the same iteration.
-    position = np.searchsorted(end[by_end], start, side="right") - 1
-    prev = np.where(position >= 0, by_end[np.maximum(position, 0)] if len(by_end) else 0, NO_RECORD)
-    same_iteration = (prev != NO_RECORD) & (iteration[prev] == iteration)
-    prev = np.where(same_iteration, prev, NO_RECORD)
-    iteration_began = np.array([iteration_start.get((rank, r.get("iteration")), s) for s, _, r in items],
-                               dtype=np.float64)
-    since = np.where(same_iteration, end[prev], iteration_began)
-    return start, end, iteration, prev, np.maximum(start - since, 0.0)
+def _role_keys(rank, stage, iteration, role, kind, offset):
+    """The id of each record's role key (module docstring); records sorted by rank, then arrival."""
+    signature = _ids([rank, iteration, role, kind, offset])
+    order = np.lexsort((np.arange(len(rank)), signature))  # by signature, then arrival
+    group_start = np.maximum.accumulate(np.where(_starts(signature[order]), np.arange(len(order)), 0))
+    occurrence = np.empty(len(order), dtype=np.int64)
+    occurrence[order] = np.arange(len(order)) - group_start
+    # Same stage, same signature but the rank, same occurrence: the same work on a peer.
+    return _ids([stage, iteration, role, kind, offset, occurrence])
+
+
+def _last_arrivals(instance, start, complete):
+    """instance id -> record number of its last arrival, for complete instances."""
+    chosen = np.flatnonzero(complete[instance])
+    order = chosen[np.lexsort((start[chosen], instance[chosen]))]
+    last = order[_starts(instance[order][::-1])[::-1]]  # the last of each instance's run
+    return dict(zip(instance[last].tolist(), last.tolist()))
 
 
 def build_timelines(merged):
     """RankTimelines of every merged rank (see the module docstring)."""
-    per_rank, last_record = _collect(merged)
-    iteration_start = _iteration_starts(merged)
-    keys, records, columns = {}, [], []
-    for rank, items in per_rank.items():
-        if not items:
-            continue
-        items.sort(key=lambda item: item[0])
-        start, end, iteration, prev, gap = _rank_columns(rank, items, iteration_start)
-        prev = np.where(prev == NO_RECORD, NO_RECORD, prev + len(records))
-        instance = np.array([item[1].id for item in items], dtype=np.int64)
-        role_key = np.array(_role_keys(rank, merged.ranks[rank].coords["pp"], items, keys), dtype=np.int64)
-        columns.append((np.full(len(items), rank, dtype=np.int64), start, end, instance, iteration, role_key, prev, gap))
-        records += [(rank, instance, record) for _, instance, record in items]
-    number = {id(record): index for index, (_, _, record) in enumerate(records)}
-    types = (np.int64, np.float64, np.float64, np.int64, np.int64, np.int64, np.int64, np.float64)
-    joined = [np.concatenate(column) for column in zip(*columns)] or [np.zeros(0, dtype=kind) for kind in types]
-    return RankTimelines(records, *joined,
-                         last_arrival={instance: number[id(record)] for instance, record in last_record.items()})
+    rows, complete = _reached_records(merged)
+    rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]
+    rank, start, end = rows[:, 0].astype(np.int64), rows[:, 1], rows[:, 2]
+    instance, iteration = rows[:, 3].astype(np.int64), rows[:, 4].astype(np.int64)
+    roles = {}
+    role_of = np.array([roles.setdefault(i.role, len(roles)) for i in merged.instances], dtype=np.int64)
+    pp = {r: trace.coords["pp"] for r, trace in merged.ranks.items()}
+    stage = np.array([pp[r] for r in rank.tolist()], dtype=np.int64)
+    prev, gap = _prev_and_gap(rank, start, end, iteration, _iteration_began(merged, rank, iteration, start))
+    role_key = _role_keys(rank, stage, iteration, role_of[instance], rows[:, 5].astype(np.int64),
+                          rows[:, 6].astype(np.int64))
+    return RankTimelines(merged.instances, rank, start, end, instance, iteration, role_key, prev, gap,
+                         _last_arrivals(instance, start, complete))
