@@ -24,7 +24,6 @@ from training_simulator import Faults, Layout, WindowSimulation, compute_speeds
 
 T0_US = 1_763_788_435_000_000.0  # true time of the first traced iteration's start
 TRACE_INTERVAL = 5
-LOOKAHEAD_PROBABILITY = 0.5  # a blocked rank's host issued further operations before its stream stopped
 
 
 @dataclass
@@ -44,6 +43,7 @@ class Scenario:
     slow_links: dict = field(default_factory=dict)  # (src, dst) -> transfer time factor
     hang: tuple = None  # (rank, iteration, kind of step[, occurrence]): see hang_step; in the last window
     hung_writes_issued: bool = True  # False: stopped whole (SIGSTOP), its writer too
+    lookahead: float = 0.5  # chance that a blocked rank's host issued 1-3 further operations before it blocked
     gpus_per_host: int = 8
     host_offset_us: float = 3_000.0
     host_drift_ppm: float = 20.0
@@ -132,6 +132,7 @@ def simulate(scenario, directory):
     clock = HostClocks(scenario, rng)
     table, _ = layout.groups()
     lines = {rank: [_metadata(scenario, rank)] for rank in range(layout.world_size)}
+    hung = {scenario.hang[0]} if scenario.hang else set()
     counters, start, instances, stuck = {}, T0_US, set(), set()
     for number, iterations in enumerate(scenario.windows):
         window = (iterations[0] - 1) // TRACE_INTERVAL
@@ -143,9 +144,9 @@ def simulate(scenario, directory):
             if rank not in stuck:
                 lines[rank].append(_window_line(clock, rank, window, iterations, record, table))
                 continue
-            if rank not in scenario_hung(scenario) and rng.random() < LOOKAHEAD_PROBABILITY:
+            if rank not in hung and rng.random() < scenario.lookahead:
                 simulation.issue_ahead(rank, rng.randint(1, 3))
-            if rank not in scenario_hung(scenario) or scenario.hung_writes_issued:
+            if rank not in hung or scenario.hung_writes_issued:
                 lines[rank] += _issued_lines(clock, rank, window, iterations[0], record.ops, table)
         instances.update(_instance_key(rank, op) for rank, record in records.items() for op in record.ops)
         if stuck or number + 1 == len(scenario.windows):
@@ -155,12 +156,7 @@ def simulate(scenario, directory):
         start = end + untraced * (end - start) / len(iterations)  # the iterations between windows, untraced
     for rank, rank_lines in lines.items():
         write_lines(_path(directory, layout, rank), rank_lines)
-    hung = scenario_hung(scenario)
     return SimulatedRun(scenario, str(directory), layout, hung, stuck - hung, clock, len(instances))
-
-
-def scenario_hung(scenario):
-    return {scenario.hang[0]} if scenario.hang else set()
 
 
 def _path(directory, layout, rank):

@@ -112,14 +112,37 @@ def _op_args(instance, record, cache):
     return f"{shared},{own}{extra}}}"
 
 
-def _op_slices(pid, tids, ops, origin, cache):
-    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks."""
-    for tid, (instance, record), (ts, dur) in zip(tids, ops, _spans([record for _, record in ops], origin)):
-        if instance.kind == "p2p":
-            name = f"{record['op']} {'to' if pid == instance.src else 'from'} {record.get('peer')}"
-        else:
-            name = f"{record['op']} {instance.role}"
-        yield _SLICE.format(_json(name), _json(instance.kind), pid, tid, ts, dur, _op_args(instance, record, cache))
+def _op_name(pid, instance, record, cache):
+    if instance.kind == "p2p":
+        key = (record["op"], pid == instance.src, record.get("peer"))
+        text = cache.get(key)
+        if text is None:
+            text = cache[key] = _json(f"{key[0]} {'to' if key[1] else 'from'} {key[2]}")
+        return text
+    key = (record["op"], instance.role)
+    text = cache.get(key)
+    if text is None:
+        text = cache[key] = _json(f"{key[0]} {key[1]}")
+    return text
+
+
+def _flow_points(records, origin):
+    """Per record: (point just after its start, point just before its end) where flows bind to its slice."""
+    starts = np.array([record["start"] for record in records], dtype=np.float64)
+    ends = np.array([_end(record) for record in records], dtype=np.float64)
+    inset = np.minimum(_INSIDE_US, (ends - starts) / 2)
+    return zip(np.round(starts + inset - origin, 3).tolist(), np.round(ends - inset - origin, 3).tolist())
+
+
+def _op_slices(pid, tids, ops, origin, cache, anchors):
+    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks; ``anchors`` gets
+    (track, flow start point, flow end point) per (rank, instance)."""
+    records = [record for _, record in ops]
+    for tid, (instance, record), (ts, dur), points in zip(tids, ops, _spans(records, origin),
+                                                          _flow_points(records, origin)):
+        anchors[pid, instance.id] = (tid, *points)
+        yield _SLICE.format(_op_name(pid, instance, record, cache), _json(instance.kind), pid, tid, ts, dur,
+                            _op_args(instance, record, cache))
 
 
 def _event_slices(pid, tids, events, origin, cache):
@@ -136,26 +159,17 @@ def _event_slices(pid, tids, events, origin, cache):
         yield '{"ph":"X","name":' + text.format(pid, tid, ts, dur)
 
 
-def _rank_slices(trace, sort_index, records, origin, tid_of, cache):
+def _rank_slices(trace, sort_index, records, origin, anchors, cache):
     pid, names = trace.rank, {}
     slices = list(_event_slices(pid, _tracks("compute", trace.events, names), trace.events, origin, cache))
     for family in ("collectives", "p2p"):
         ops = [(instance, record) for instance, record in records if (instance.kind == "p2p") == (family == "p2p")]
-        tids = _tracks(family, [record for _, record in ops], names)
-        for tid, (instance, _) in zip(tids, ops):
-            tid_of[pid, instance.id] = tid
-        slices += _op_slices(pid, tids, ops, origin, cache)
+        slices += _op_slices(pid, _tracks(family, [record for _, record in ops], names), ops, origin, cache, anchors)
     yield {"ph": "M", "name": "process_name", "pid": pid,
            "args": {"name": f"{coords_name(trace.coords)} (rank {pid})"}}
     yield {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}
     yield from _thread_names(pid, names)
     yield from slices
-
-
-def _inside(record, at_end):
-    """A point inside the record's slice: just after its start or just before its end."""
-    inset = min(_INSIDE_US, (_end(record) - record["start"]) / 2)
-    return record["end"] - inset if at_end and record["end"] is not None else record["start"] + inset
 
 
 def _flow_pairs(instance):
@@ -166,19 +180,20 @@ def _flow_pairs(instance):
     return [(last, rank) for rank in instance.records if rank != last]
 
 
-def _flows(instances, origin, tid_of):
+def _flows(instances, anchors):
+    """Flow events (JSON text, one start and one end per arrow) between the anchors of their slices."""
     flow_id = 0
     for instance in instances:
         pairs = _flow_pairs(instance)
         if not pairs:
             continue
-        name, records = _json(instance.op), instance.records
+        name = _json(instance.op)
         for source, target in pairs:
             flow_id += 1
-            yield _FLOW_START.format(source, tid_of[source, instance.id], round(_inside(records[source], False) - origin, 3),
-                                     name, instance.kind, flow_id)
-            yield _FLOW_END.format(target, tid_of[target, instance.id], round(_inside(records[target], True) - origin, 3),
-                                   name, instance.kind, flow_id)
+            source_tid, source_point, _ = anchors[source, instance.id]
+            target_tid, _, target_point = anchors[target, instance.id]
+            yield _FLOW_START.format(source, source_tid, source_point, name, instance.kind, flow_id)
+            yield _FLOW_END.format(target, target_tid, target_point, name, instance.kind, flow_id)
 
 
 def time_origin(merged):
@@ -194,12 +209,12 @@ def chrome_trace_events(merged, origin):
     for instance in merged.instances:
         for rank, record in instance.records.items():
             records[rank].append((instance, record))
-    tid_of = {}
+    anchors = {}  # (rank, instance id) -> (track, flow points) of its op slice
     layout_order = sorted(merged.ranks.values(), key=lambda t: (t.coords["dp"], t.coords["pp"], t.coords["tp"]))
     cache = {}  # JSON text of args parts that many records share
     for sort_index, trace in enumerate(layout_order):
-        yield from _rank_slices(trace, sort_index, records[trace.rank], origin, tid_of, cache)
-    yield from _flows(merged.instances, origin, tid_of)
+        yield from _rank_slices(trace, sort_index, records[trace.rank], origin, anchors, cache)
+    yield from _flows(merged.instances, anchors)
 
 
 def write_chrome_trace(merged, path):

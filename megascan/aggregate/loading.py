@@ -106,18 +106,24 @@ def _add_issued(stalled, line):
     facts["ops"].extend(line["ops"])  # each issued line holds only what was issued since the one before
 
 
+def _event_fields(event):
+    """The values of _EVENT_KEYS (None where missing)."""
+    return event.get("name"), event.get("start_us"), event.get("end_us")
+
+
 def _unusable(kind, line):
     """Why a window or issued line cannot be used (a key or record the matching relies on is missing), or None."""
     missing = [key for key in _LINE_KEYS[kind] if key not in line]
     if missing:
         return f"lacks {', '.join(missing)}"
     op_keys = _OP_KEYS[kind]
+    required = set(op_keys)  # key checks as set operations: a thousand ranks' files hold a million records
     for op in line["ops"]:
-        if (not all(key in op for key in op_keys) or op["kind"] not in _OP_KINDS
+        if (not required <= op.keys() or op["kind"] not in _OP_KINDS
                 or (op["kind"] != "collective") == (op["peer"] is None)):
             return f"has an op record without {', '.join(op_keys)} or with an unknown kind/peer: {str(op)[:120]}"
     for event in line.get("events", ()):
-        if not all(event.get(key) is not None for key in _EVENT_KEYS):
+        if None in _event_fields(event):
             return f"has an event without {', '.join(_EVENT_KEYS)}: {str(event)[:120]}"
     return None
 

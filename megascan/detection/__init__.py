@@ -16,7 +16,7 @@ instance or transfer joins its members. Detection follows it:
 
 from megascan.detection.compute import compute_slowness
 from megascan.detection.critical_path import critical_paths
-from megascan.detection.culprits import find_culprits
+from megascan.detection.culprits import find_culprits, find_victims
 from megascan.detection.delay_attribution import attribute_delays
 from megascan.detection.hang_report import blocked_entries, hang_suspects
 from megascan.detection.hung_ranks import classify_hang
@@ -24,7 +24,7 @@ from megascan.detection.links import link_stats
 from megascan.detection.nvml_evidence import nvml_evidence
 from megascan.detection.rank_timelines import build_timelines
 from megascan.detection.report import Report, Suspect
-from megascan.detection.waits import group_waits, rank_waits
+from megascan.detection.waits import group_waits, waited_for
 
 __all__ = ["Report", "Suspect", "detect"]
 
@@ -38,12 +38,7 @@ def detect(merged):
     hung_ranks = {suspect.rank for suspect in suspects}
     suspects += [suspect for suspect in find_culprits(merged, attribution, compute_slowness(merged), groups,
                                                       nvml_evidence(merged)) if suspect.rank not in hung_ranks]
-    culprits = {suspect.rank for suspect in suspects}
-    victims = [{"rank": rank, "coords": merged.ranks[rank].coords, "waited_us": entry["waited_us"],
-                "note": f"waited {entry['waited_us'] / 1e3:.1f} ms in synchronous operations"}
-               for rank, entry in sorted(rank_waits(groups).items())
-               if culprits and rank not in culprits and rank in merged.ranks
-               and entry["waited_us"] > entry["imposed_us"]]
     notes = [f"rank {rank} was not aligned and is not analysed: {reason}" for rank, reason in merged.unaligned.items()]
     alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}
+    victims = find_victims(merged, waited_for(timelines), {suspect.rank for suspect in suspects}, attribution.path_us)
     return Report(suspects, victims, link_stats(merged), alignment, notes, blocked_entries(merged, blocked))

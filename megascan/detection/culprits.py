@@ -83,3 +83,18 @@ def find_culprits(merged, attribution, compute, groups, nvml):
         suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank", score,
                                 evidence + nvml.get(rank, [])))
     return sorted(suspects, key=lambda suspect: -suspect.score)
+
+
+def find_victims(merged, waits, culprits, path_us):
+    """The report's victims: the ranks that waited for a suspect directly, at least MIN_CAUSED_SHARE of the
+    traced iterations (ranks further along wait for those victims, and everyone waits in pipeline bubbles)."""
+    victims = []
+    for rank, per_rank in sorted(waits.items()):
+        for_culprits = {other: us for other, us in per_rank.items() if other in culprits and us >= MIN_CAUSED_SHARE * path_us}
+        if rank in culprits or not for_culprits:
+            continue
+        victims.append({"rank": rank, "coords": merged.ranks[rank].coords, "waited_us": sum(for_culprits.values()),
+                        "note": "waited " + ", ".join(f"{us / 1e3:.1f} ms for rank {other}"
+                                                      for other, us in sorted(for_culprits.items()))
+                                + f" ({sum(per_rank.values()) / 1e3:.1f} ms in all synchronous operations)"})
+    return victims

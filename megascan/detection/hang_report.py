@@ -3,6 +3,7 @@
 from megascan.detection.report import Suspect
 
 HUNG_SCORE = 100.0  # above any slow rank's score: a hang stops the job
+OPERATIONS_LISTED = 3
 
 
 def describe(instance):
@@ -28,12 +29,15 @@ def hang_suspects(merged, hung):
     last = _last_recorded(merged, {entry.rank for entry in hung})
     suspects = []
     for entry in hung:
-        trace, operation = merged.ranks[entry.rank], entry.operation
+        trace = merged.ranks[entry.rank]
         recorded = describe(last[entry.rank]) if entry.rank in last else "none in the traced windows"
+        reached = "; ".join(f"{describe(operation)} (iteration {operation.iteration}, entered by "
+                            f"{sorted(operation.records)})" for operation in entry.operations[:OPERATIONS_LISTED])
+        more = len(entry.operations) - OPERATIONS_LISTED
         suspects.append(Suspect(entry.rank, trace.coords, trace.host, trace.device_index, "hang",
                                 HUNG_SCORE + len(entry.blocked), [
-            f"never reached {describe(operation)} (iteration {operation.iteration}), which ranks "
-            f"{sorted(operation.records)} entered",
+            f"never reached what the other members of its groups entered and wait in: {reached}"
+            + (f"; {more} more" if more > 0 else ""),
             f"ranks blocked behind it: {len(entry.blocked)} ({entry.blocked})",
             f"the last operation it recorded: {recorded}"]))
     return suspects

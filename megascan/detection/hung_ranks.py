@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Hung:
     rank: int
-    operation: object  # the first stalled OpInstance it never reached
+    operations: list  # the stalled OpInstances it never reached that others wait for it in, earliest first
     blocked: list = field(default_factory=list)  # ranks whose waits-for chain ends at it
 
 
@@ -115,9 +115,14 @@ def classify_hang(merged):
             behind.setdefault(end, []).append(entry.rank)
     hung = []
     for rank in sorted(behind):
-        never_reached = [instance for instance in merged.instances
-                         if instance.id in stalled and rank in instance.missing]
-        if never_reached:
-            first = min(never_reached, key=lambda i: min(r["start"] for r in i.records.values()))
-            hung.append(Hung(rank, first, behind[rank]))
+        # Which operation it stopped before is not recorded (its host stopped issuing); the ones the others
+        # wait for it in are: each is an operation its group's other members reached and it did not.
+        waited_in = {entry.operation.id: entry.operation for entry in blocked
+                     if rank in entry.waits_for and rank in entry.operation.missing}
+        if waited_in:
+            hung.append(Hung(rank, sorted(waited_in.values(), key=_entered_at), behind[rank]))
     return hung, blocked
+
+
+def _entered_at(instance):
+    return min(record["start"] for record in instance.records.values())

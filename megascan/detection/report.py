@@ -52,7 +52,7 @@ class Report:
             lines.append(f"{place}. {suspect.title()}: {label}, score {suspect.score:.2f}")
             lines += [f"     - {line}" for line in suspect.evidence]
         if self.victims:
-            lines.append("Victims (they lag only because they wait):")
+            lines.append("Victims (they waited for a suspect):")
             lines += [f"   rank {v['rank']}: {v['note']}" for v in self.victims]
         if self.blocked:
             lines.append(f"Blocked (not hung: each waits, directly or through others, for a hung rank): "

@@ -67,11 +67,16 @@ def group_waits(timelines):
     return {group.name: group for group in groups}
 
 
-def rank_waits(groups):
-    """rank -> {"imposed_us", "waited_us"} over all its groups."""
+def waited_for(timelines):
+    """rank -> {rank it waited for: us}: at each complete instance, from its arrival to the last arrival."""
+    records = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
+    last_of = np.full(int(timelines.instance.max(initial=-1)) + 1, -1, dtype=np.int64)
+    last_of[np.fromiter(timelines.last_arrival, dtype=np.int64, count=len(records))] = records
+    last = last_of[timelines.instance] if len(last_of) else np.zeros(0, dtype=np.int64)
+    waiting = (last >= 0) & (last != np.arange(len(last)))
+    waiter, waited = timelines.rank[waiting], timelines.rank[last[waiting]]
+    span = int(timelines.rank.max(initial=0)) + 1
     totals = {}
-    for group in groups.values():
-        for kind, per_rank in (("imposed_us", group.imposed), ("waited_us", group.waited)):
-            for rank, us in per_rank.items():
-                totals.setdefault(rank, {"imposed_us": 0.0, "waited_us": 0.0})[kind] += us
+    for key, us in _sums(waiter * span + waited, timelines.start[last[waiting]] - timelines.start[waiting]).items():
+        totals.setdefault(key // span, {})[key % span] = us
     return totals
