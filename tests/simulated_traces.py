@@ -14,12 +14,12 @@ with rate[r] = drift[host] + gpu_ppm[r]. Ranks on one host share its clock, so b
 anchors and the GPUs' ppm differ.
 """
 
-import json
 import os
 import random
 from dataclasses import dataclass, field
 
 from one_f_one_b import stage_program
+from synthetic_traces import write_lines
 from training_simulator import Faults, Layout, WindowSimulation, compute_speeds
 
 T0_US = 1_763_788_435_000_000.0  # true time of the first traced iteration's start
@@ -201,9 +201,3 @@ def _issued_lines(clock, rank, window, iteration, ops, table):
     half = len(issued) // 2
     return [{"type": "issued", "window": window, "iteration": iteration, "groups": _groups_of(table, part), "ops": part}
             for part in (issued[:half], issued[half:]) if part]
-
-
-def write_lines(path, lines):
-    encode = json.JSONEncoder(separators=(",", ":")).encode
-    with open(path, "w") as handle:
-        handle.writelines(encode(line) + "\n" for line in lines)

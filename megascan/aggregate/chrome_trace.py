@@ -26,7 +26,6 @@ _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
 # event and encoding it took most of the time of writing the trace.
 _SLICE = '{{"ph":"X","name":{},"cat":{},"pid":{},"tid":{},"ts":{!r},"dur":{!r},"args":{}}}'
 _FLOW_START = '{{"ph":"s","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
-_WRITE_BATCH = 10_000  # events per write call
 _OP_FIELDS = ("peer", "bytes", "dtype", "iteration", "microbatch", "chunk", "phase")
 _FLOW_END = '{{"ph":"f","bp":"e","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
 
@@ -134,15 +133,18 @@ def _flow_points(records, origin):
     return zip(np.round(starts + inset - origin, 3).tolist(), np.round(ends - inset - origin, 3).tolist())
 
 
-def _op_slices(pid, tids, ops, origin, cache, anchors):
-    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks; ``anchors`` gets
-    (track, flow start point, flow end point) per (rank, instance)."""
+def _op_slices(pid, tids, ops, origin, cache, arrows):
+    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks, each followed by the
+    ends of its flow arrows that bind to it (Arrows)."""
     records = [record for _, record in ops]
-    for tid, (instance, record), (ts, dur), points in zip(tids, ops, _spans(records, origin),
-                                                          _flow_points(records, origin)):
-        anchors[pid, instance.id] = (tid, *points)
-        yield _SLICE.format(_op_name(pid, instance, record, cache), _json(instance.kind), pid, tid, ts, dur,
-                            _op_args(instance, record, cache))
+    texts = []
+    for tid, (instance, record), (ts, dur), (after_start, before_end) in zip(
+            tids, ops, _spans(records, origin), _flow_points(records, origin)):
+        texts.append(_SLICE.format(_op_name(pid, instance, record, cache), _json(instance.kind), pid, tid, ts, dur,
+                                   _op_args(instance, record, cache)))
+        if instance.id in arrows.source:
+            texts += arrows.ends(pid, tid, instance, after_start, before_end)
+    return texts
 
 
 def _event_slices(pid, tids, events, origin, cache):
@@ -159,41 +161,39 @@ def _event_slices(pid, tids, events, origin, cache):
         yield '{"ph":"X","name":' + text.format(pid, tid, ts, dur)
 
 
-def _rank_slices(trace, sort_index, records, origin, anchors, cache):
+def _rank_slices(trace, sort_index, records, origin, arrows, cache):
     pid, names = trace.rank, {}
     slices = list(_event_slices(pid, _tracks("compute", trace.events, names), trace.events, origin, cache))
     for family in ("collectives", "p2p"):
         ops = [(instance, record) for instance, record in records if (instance.kind == "p2p") == (family == "p2p")]
-        slices += _op_slices(pid, _tracks(family, [record for _, record in ops], names), ops, origin, cache, anchors)
-    yield {"ph": "M", "name": "process_name", "pid": pid,
-           "args": {"name": f"{coords_name(trace.coords)} (rank {pid})"}}
-    yield {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}}
-    yield from _thread_names(pid, names)
-    yield from slices
+        slices += _op_slices(pid, _tracks(family, [record for _, record in ops], names), ops, origin, cache, arrows)
+    metadata = [{"ph": "M", "name": "process_name", "pid": pid,
+                 "args": {"name": f"{coords_name(trace.coords)} (rank {pid})"}},
+                {"ph": "M", "name": "process_sort_index", "pid": pid, "args": {"sort_index": sort_index}},
+                *_thread_names(pid, names)]
+    return [_encode(event) for event in metadata] + slices
 
 
-def _flow_pairs(instance):
-    """(from rank, to rank) arrows: send -> recv; last arrival -> every other member of a collective."""
-    if instance.kind == "p2p":
-        return [(instance.src, instance.dst)] if len(instance.records) == 2 else []
-    last = max(instance.records, key=lambda rank: instance.records[rank]["start"])
-    return [(last, rank) for rank in instance.records if rank != last]
+class Arrows:
+    """Flow arrows: send -> recv, and in a collective its last arrival -> every other member. Each end is written
+    beside its own slice, so no table of all slices is kept; an arrow's id is its instance and target rank."""
 
+    def __init__(self, instances, ranks):
+        self.span = max(ranks, default=0) + 1
+        self.source = {}  # instance id -> the rank its arrows start at
+        for instance in instances:
+            if instance.kind == "p2p" and len(instance.records) == 2:
+                self.source[instance.id] = instance.src
+            elif instance.kind != "p2p" and len(instance.records) > 1:
+                self.source[instance.id] = max(instance.records, key=lambda rank: instance.records[rank]["start"])
 
-def _flows(instances, anchors):
-    """Flow events (JSON text, one start and one end per arrow) between the anchors of their slices."""
-    flow_id = 0
-    for instance in instances:
-        pairs = _flow_pairs(instance)
-        if not pairs:
-            continue
+    def ends(self, pid, tid, instance, after_start, before_end):
+        """The flow events (JSON text) that bind to rank ``pid``'s slice of ``instance`` on track ``tid``."""
         name = _json(instance.op)
-        for source, target in pairs:
-            flow_id += 1
-            source_tid, source_point, _ = anchors[source, instance.id]
-            target_tid, _, target_point = anchors[target, instance.id]
-            yield _FLOW_START.format(source, source_tid, source_point, name, instance.kind, flow_id)
-            yield _FLOW_END.format(target, target_tid, target_point, name, instance.kind, flow_id)
+        if pid != self.source[instance.id]:
+            return [_FLOW_END.format(pid, tid, before_end, name, instance.kind, instance.id * self.span + pid)]
+        return [_FLOW_START.format(pid, tid, after_start, name, instance.kind, instance.id * self.span + target)
+                for target in instance.records if target != pid]
 
 
 def time_origin(merged):
@@ -204,17 +204,17 @@ def time_origin(merged):
 
 
 def chrome_trace_events(merged, origin):
-    """Every trace event, streamed: rank processes in layout order, their slices, then the flows."""
+    """Every trace event as JSON text, a rank at a time (a list each): rank processes in layout order, their
+    slices with their flows' ends."""
     records = {rank: [] for rank in merged.ranks}
     for instance in merged.instances:
         for rank, record in instance.records.items():
             records[rank].append((instance, record))
-    anchors = {}  # (rank, instance id) -> (track, flow points) of its op slice
+    arrows = Arrows(merged.instances, merged.ranks)
     layout_order = sorted(merged.ranks.values(), key=lambda t: (t.coords["dp"], t.coords["pp"], t.coords["tp"]))
     cache = {}  # JSON text of args parts that many records share
     for sort_index, trace in enumerate(layout_order):
-        yield from _rank_slices(trace, sort_index, records[trace.rank], origin, anchors, cache)
-    yield from _flows(merged.instances, anchors)
+        yield _rank_slices(trace, sort_index, records[trace.rank], origin, arrows, cache)
 
 
 def write_chrome_trace(merged, path):
@@ -225,12 +225,8 @@ def write_chrome_trace(merged, path):
              "problems": merged.problems}
     with replaced_on_success(path) as temporary, open(temporary, "w") as out:
         out.write('{"displayTimeUnit":"ms","traceEvents":[')
-        batch, separator = [], "\n"
-        for event in chrome_trace_events(merged, origin):  # slices and flows come as text, metadata as dicts
-            batch.append(event if isinstance(event, str) else _encode(event))
-            if len(batch) == _WRITE_BATCH:
-                out.write(separator + ",\n".join(batch))
-                batch, separator = [], ",\n"
-        if batch:
-            out.write(separator + ",\n".join(batch))
+        separator = "\n"
+        for events in chrome_trace_events(merged, origin):
+            out.write(separator + ",\n".join(events))
+            separator = ",\n"
         out.write('\n],"otherData":' + _encode(other) + "}\n")

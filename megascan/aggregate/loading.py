@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 
 # The writer's file name (megascan.session.trace_file_name); matched here so that reading traces needs
@@ -22,6 +23,8 @@ _OP_KEYS = {"window": ("op", "kind", "group", "seq", "peer", "start_us", "end_us
             "issued": ("op", "kind", "group", "seq", "peer", "host_us")}
 _OP_KINDS = ("collective", "send", "recv")
 _EVENT_KEYS = ("name", "start_us", "end_us")
+_OP_STRINGS = ("op", "kind", "group", "dtype", "phase")  # values repeated across records: stored once
+_EVENT_STRINGS = ("name", "cat")
 _LISTED = 8  # name at most this many ranks or files in one problem line
 
 
@@ -106,6 +109,14 @@ def _add_issued(stalled, line):
     facts["ops"].extend(line["ops"])  # each issued line holds only what was issued since the one before
 
 
+def _share_strings(record, keys):
+    """The parser makes a new string for every value; a thousand ranks repeat "allreduce" a million times."""
+    for key in keys:
+        value = record.get(key)
+        if type(value) is str:
+            record[key] = sys.intern(value)
+
+
 def _event_fields(event):
     """The values of _EVENT_KEYS (None where missing)."""
     return event.get("name"), event.get("start_us"), event.get("end_us")
@@ -160,10 +171,13 @@ def _read_rank_file(path, problems):
     for line in issued:
         if line["window"] not in rank_file.windows:  # a window line supersedes the window's issued lines
             _add_issued(rank_file.stalled, line)
-    for window in (rank_file.windows, rank_file.stalled):  # each op knows its window: clocks are per window
+    for window in (rank_file.windows, rank_file.stalled):
         for number, line in window.items():
             for op in line["ops"]:
-                op["window"] = number
+                op["window"] = number  # each op knows its window: clocks are per window
+                _share_strings(op, _OP_STRINGS)
+            for event in line.get("events", ()):
+                _share_strings(event, _EVENT_STRINGS)
     coords = metadata["coords"]
     named = dict(zip(("dp", "pp", "tp"), map(int, TRACE_FILE.match(name).groups())))
     if named != {axis: coords.get(axis) for axis in named}:

@@ -48,7 +48,7 @@ KIND_CODES = {"collective": 0, "send": 1, "recv": 2}
 def _reached_records(merged):
     """The records that were reached (not only issued) as rows (rank, start, end, instance, iteration, kind,
     peer offset), and which instances are complete (every member finished them)."""
-    rows, ranks, nan = [], merged.ranks, np.nan
+    values, ranks, nan = [], merged.ranks, np.nan  # one flat list: a tuple per record would double the memory
     complete = np.zeros(len(merged.instances), dtype=bool)
     for instance in merged.instances:
         whole, number = not instance.missing, instance.id
@@ -57,11 +57,11 @@ def _reached_records(merged):
                 whole = False
                 continue
             end, peer, iteration = record["end"], record.get("peer"), record.get("iteration")
-            rows.append((rank, record["start"], nan if end is None else end, number,
-                         -1 if iteration is None else iteration, KIND_CODES[record["kind"]],
-                         0 if peer is None else peer - rank))
+            values += (rank, record["start"], nan if end is None else end, number,
+                       -1 if iteration is None else iteration, KIND_CODES[record["kind"]],
+                       0 if peer is None else peer - rank)
         complete[number] = whole
-    return np.array(rows, dtype=np.float64).reshape(-1, 7), complete
+    return np.array(values, dtype=np.float64).reshape(-1, 7), complete
 
 
 def _iteration_began(merged, rank, iteration, start):
