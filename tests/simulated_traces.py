@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 
 from one_f_one_b import stage_program
-from synthetic_traces import write_lines
+from synthetic_traces import window_groups, write_lines
 from training_simulator import Faults, Layout, WindowSimulation, compute_speeds
 
 T0_US = 1_763_788_435_000_000.0  # true time of the first traced iteration's start
@@ -176,10 +176,6 @@ def _metadata(scenario, rank):
             "trace_interval": TRACE_INTERVAL, "continuous_trace_iterations": len(scenario.windows[0]), "train_iters": 10_000}
 
 
-def _groups_of(table, ops):
-    return {op["group"]: table[op["group"]] for op in ops}
-
-
 def _window_line(clock, rank, window, iterations, record, table):
     def local(t):
         return round(clock.local(rank, window, t), 3)
@@ -191,7 +187,7 @@ def _window_line(clock, rank, window, iterations, record, table):
             "end_us": local(op["end"])} for op in record.ops]
     return {"type": "window", "window": window, "iterations": list(iterations), "complete": True,
             "clock": {"source": "cuda_event", "anchor_uncertainty_us": clock.anchor_error_us},
-            "groups": _groups_of(table, ops), "nvml": None, "events": events, "ops": ops}
+            "groups": window_groups(table, ops), "nvml": None, "events": events, "ops": ops}
 
 
 def _issued_lines(clock, rank, window, iteration, ops, table):
@@ -199,5 +195,5 @@ def _issued_lines(clock, rank, window, iteration, ops, table):
     issued = [{**{k: v for k, v in op.items() if k not in ("start", "end")},
                "host_us": round(clock.wall(rank, op["start"] - 20.0), 1)} for op in ops]
     half = len(issued) // 2
-    return [{"type": "issued", "window": window, "iteration": iteration, "groups": _groups_of(table, part), "ops": part}
+    return [{"type": "issued", "window": window, "iteration": iteration, "groups": window_groups(table, part), "ops": part}
             for part in (issued[:half], issued[half:]) if part]

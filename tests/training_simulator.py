@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from one_f_one_b import ACTIVATION_BYTES, stage_program
+from synthetic_traces import MegatronRankOrder, layout_groups
 
 LAYER_HALF_US = 1_500.0  # one layer half's forward on a GPU of speed 1
 COMPUTE_JITTER = 0.005  # relative spread of one kernel sequence's time on one GPU
@@ -25,47 +26,16 @@ ITERATION_GAP_US = 200.0  # host work between two iterations
 
 
 @dataclass
-class Layout:
+class Layout(MegatronRankOrder):
     dp: int
     tp: int
     pp: int
     microbatches: int
     layers_per_stage: int
 
-    @property
-    def world_size(self):
-        return self.dp * self.tp * self.pp
-
-    def rank(self, dp, pp, tp):
-        """megatron-core's default order: tp fastest, then dp, then pp."""
-        return tp + self.tp * (dp + self.dp * pp)
-
-    def coords(self, rank):
-        return {"dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp), "tp": rank % self.tp}
-
     def groups(self):
         """(group table {id: {"ranks", "role"}}, {rank: {role: group id}})."""
-        table, of_rank = {}, {rank: {} for rank in range(self.world_size)}
-
-        def add(role, ranks):
-            group_id = str(len(table))
-            table[group_id] = {"ranks": ranks, "role": role}
-            for rank in ranks:
-                of_rank[rank][role] = group_id
-
-        for dp in range(self.dp):
-            for pp in range(self.pp):
-                add("tp", [self.rank(dp, pp, tp) for tp in range(self.tp)])
-        for pp in range(self.pp):
-            for tp in range(self.tp):
-                add("dp_cp", [self.rank(dp, pp, tp) for dp in range(self.dp)])
-        for dp in range(self.dp):
-            for tp in range(self.tp):
-                add("pp", [self.rank(dp, pp, tp) for pp in range(self.pp)])
-                if self.pp > 1:
-                    add("embd", [self.rank(dp, 0, tp), self.rank(dp, self.pp - 1, tp)])
-            add("mp", sorted(self.rank(dp, pp, tp) for pp in range(self.pp) for tp in range(self.tp)))
-        return table, of_rank
+        return layout_groups(self)
 
 
 @dataclass
