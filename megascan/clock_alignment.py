@@ -71,18 +71,28 @@ class Alignment:
 
 
 def _linked(instances, start):
-    """Ranks linked to ``start`` through shared collective instances."""
-    neighbours = {}
+    """Ranks linked to ``start`` through shared collective instances: labels propagated along each instance's
+    members (first to the others) until they settle, with pointer jumping, all in numpy."""
+    ranks = sorted({rank for ends in instances for rank in ends} | {start})
+    index = {rank: i for i, rank in enumerate(ranks)}
+    first, other = [], []
     for ends in instances:
-        for rank in ends:
-            neighbours.setdefault(rank, set()).update(ends)
-    linked, frontier = {start}, [start]
-    while frontier:
-        for other in neighbours.get(frontier.pop(), ()):
-            if other not in linked:
-                linked.add(other)
-                frontier.append(other)
-    return linked
+        members = [index[rank] for rank in ends]
+        first += [members[0]] * (len(members) - 1)
+        other += members[1:]
+    first, other = np.array(first, dtype=np.int64), np.array(other, dtype=np.int64)
+    labels = np.arange(len(ranks))
+    while True:
+        lowest = np.minimum(labels[first], labels[other])
+        updated = labels.copy()
+        np.minimum.at(updated, first, lowest)
+        np.minimum.at(updated, other, lowest)
+        updated = updated[updated]  # jump to the label's own label
+        if np.array_equal(updated, labels):
+            break
+        labels = updated
+    home = labels[index[start]]
+    return {rank for rank, label in zip(ranks, labels.tolist()) if label == home}
 
 
 @dataclass
@@ -216,7 +226,9 @@ class ClockAligner:
         by_window = {}
         for key, ends in instances.items():
             by_window.setdefault(windows.get(key), []).append(ends)
-        fits = {window: self._fit_window(members, ranks, gauge) for window, members in by_window.items()}
+        # One window for the whole trace holds every instance: its ranks are all linked to the reference.
+        linked = set(ranks) if not windows else None
+        fits = {window: self._fit_window(members, ranks, gauge, linked) for window, members in by_window.items()}
         drift = self._significant_drift(fits, ranks, gauge)
         offsets, misfits = {rank: {} for rank in ranks}, {rank: [] for rank in ranks}
         for window, (fit, free, present, _, _) in fits.items():
@@ -229,11 +241,11 @@ class ClockAligner:
                 offsets[rank][window] = float(solved[fit.index[rank]]) - drift.get(rank, 0.0) * fit.centre
         return _ClockFit(drift, offsets, misfits)
 
-    def _fit_window(self, instances, ranks, gauge):
+    def _fit_window(self, instances, ranks, gauge, linked=None):
         """(fit, free rank indices, ranks linked to the reference in it, drifts, their variances) of one window,
         reweighted to convergence."""
         fit = _WindowFit(instances, ranks)
-        present = _linked(instances, self.reference_rank)
+        present = _linked(instances, self.reference_rank) if linked is None else linked
         free = np.array([fit.index[r] for r in sorted(present - gauge)], dtype=np.int64)
         offsets, drifts = fit.solve(free)
         for _ in range(self.max_iterations):
