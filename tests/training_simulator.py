@@ -9,7 +9,6 @@ others block wherever they first need it.
 ranks that never finished, where they stopped.
 """
 
-import random
 from collections import deque
 from dataclasses import dataclass, field
 

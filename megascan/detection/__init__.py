@@ -41,4 +41,7 @@ def detect(merged):
     notes = [f"rank {rank} was not aligned and is not analysed: {reason}" for rank, reason in merged.unaligned.items()]
     alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}
     victims = find_victims(merged, waited_for(timelines), {suspect.rank for suspect in suspects}, attribution.path_us)
-    return Report(suspects, victims, link_stats(merged), alignment, notes, blocked_entries(merged, blocked))
+    links = link_stats(merged)
+    for link in links:
+        link["critical_path_delay_us"] = attribution.links.get((link["src"], link["dst"]), 0.0)
+    return Report(suspects, victims, links, alignment, notes, blocked_entries(merged, blocked))

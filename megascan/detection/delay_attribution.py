@@ -4,8 +4,8 @@ Every own-work segment on the path is measured against what the rank's peers of 
 for the same work (the median of the others with the same role key, RankTimelines): its excess, which
 may be negative, is charged to that rank. A victim's segments on the path are as long as its peers',
 so it is charged nothing however long it waited; waiting itself is never on the path. Transfer
-segments are measured the same way against the same transfer elsewhere and charged to the link (a
-send/recv pair) or the process group (a collective).
+segments of pipeline transfers are measured the same way against the same transfer on other links and
+charged to the link (a slow link shows there, and no rank is charged for it).
 
 The iteration's length is then the path's expected length plus every charge: the charges say how much
 longer each culprit made the iteration.
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascan.detection.rank_timelines import NO_RECORD
 from megascan.detection.robust import medians_of_others
 
 
@@ -41,30 +42,18 @@ class DelayAttribution:
     path_us: float  # all critical paths together
     iterations: int
     ranks: dict  # rank -> RankDelay
-    transfers: dict = field(default_factory=dict)  # (kind, name) -> charged us: ("link", (src, dst)) or ("group", id)
+    links: dict = field(default_factory=dict)  # (src, dst) -> excess of its transfers on the critical paths (us)
 
 
-def _transfer_times(timelines):
+def _transfer_times(timelines, awaited):
     """Per record: its finish minus its instance's last arrival (nan where unknown)."""
-    arrival = np.full(len(timelines.start), np.nan)
-    last = timelines.last_arrival
-    for number, instance in enumerate(timelines.instance.tolist()):
-        if instance in last:
-            arrival[number] = timelines.start[last[instance]]
+    arrival = np.where(awaited != NO_RECORD, timelines.start[awaited], np.nan)
     return np.maximum(timelines.end - arrival, 0.0)
 
 
-def _transfer_owner(timelines, record):
-    instance = timelines.instances[timelines.instance[record]]
-    if instance.kind == "p2p":
-        return "link", (instance.src, instance.dst)
-    return "group", f"{instance.role} {sorted(instance.records)}"
-
-
-def _add_masked(timelines, comparable, excess, ranks):
+def _add_masked(timelines, awaited, comparable, excess, ranks):
     """RankDelay.masked_us: each record's excess, by the rank that arrived last at its operation."""
-    last_rank = {instance: int(timelines.rank[record]) for instance, record in timelines.last_arrival.items()}
-    waited_for = np.array([last_rank.get(instance, -1) for instance in timelines.instance.tolist()], dtype=np.int64)
+    waited_for = np.where(awaited != NO_RECORD, timelines.rank[awaited], -1)
     behind = comparable & (waited_for >= 0) & (waited_for != timelines.rank)
     pairs, pair_of = np.unique(np.stack([timelines.rank[behind], waited_for[behind]]), axis=1, return_inverse=True)
     totals = np.bincount(pair_of.ravel(), weights=excess[behind], minlength=pairs.shape[1])
@@ -83,9 +72,10 @@ def attribute_delays(timelines, paths):
         delay = ranks[rank] = RankDelay(rank)
         if rank < len(own):
             delay.own_us, delay.peers_us = float(own[rank]), float(peers[rank])
-    transfer = _transfer_times(timelines)
+    awaited = timelines.arrival_awaited()
+    transfer = _transfer_times(timelines, awaited)
     expected_transfer = medians_of_others(transfer, timelines.role_key)
-    charged_transfers = defaultdict(float)
+    charged_links = defaultdict(float)
     for path in paths:
         for record in path.work:
             delay = ranks[int(timelines.rank[record])]
@@ -93,9 +83,10 @@ def attribute_delays(timelines, paths):
             if comparable[record]:
                 delay.charged_us += timelines.gap[record] - expected_gap[record]
         for finishing, _ in path.transfers:
+            instance = timelines.instances[timelines.instance[finishing]]
             excess = transfer[finishing] - expected_transfer[finishing]
-            if not np.isnan(excess):
-                charged_transfers[_transfer_owner(timelines, finishing)] += float(excess)
+            if instance.kind == "p2p" and not np.isnan(excess):
+                charged_links[instance.src, instance.dst] += float(excess)
     # Off the iteration's path too, the work before an operation that others waited for delayed them: a
     # slow GPU in the DP replica that was not the slowest still held its own replica back.
     waited_for = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
@@ -103,5 +94,5 @@ def attribute_delays(timelines, paths):
     caused = np.bincount(timelines.rank[waited_for], weights=timelines.gap[waited_for] - expected_gap[waited_for])
     for rank, delay in ranks.items():
         delay.caused_us = float(caused[rank]) if rank < len(caused) else 0.0
-    _add_masked(timelines, comparable, timelines.gap - expected_gap, ranks)
-    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_transfers))
+    _add_masked(timelines, awaited, comparable, timelines.gap - expected_gap, ranks)
+    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links))

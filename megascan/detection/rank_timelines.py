@@ -35,11 +35,13 @@ class RankTimelines:
     gap: np.ndarray  # own work before arriving (us)
     last_arrival: dict  # instance id -> record number of its last member to arrive (complete instances)
 
-    def rank_records(self):
-        """rank -> its record numbers in arrival order."""
-        order = np.lexsort((self.start, self.rank))
-        ranks, first = np.unique(self.rank[order], return_index=True)
-        return dict(zip(ranks.tolist(), np.split(order, first[1:])))
+    def arrival_awaited(self):
+        """Per record: the record number of its instance's last arrival, what it waited for (NO_RECORD where
+        the instance is incomplete); the last arrival itself points to itself."""
+        last_of = np.full(len(self.instances), NO_RECORD, dtype=np.int64)
+        last_of[np.fromiter(self.last_arrival, dtype=np.int64, count=len(self.last_arrival))] = np.fromiter(
+            self.last_arrival.values(), dtype=np.int64, count=len(self.last_arrival))
+        return last_of[self.instance]
 
 
 KIND_CODES = {"collective": 0, "send": 1, "recv": 2}

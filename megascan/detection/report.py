@@ -43,7 +43,10 @@ class Report:
 
     def to_text(self):
         lines = []
-        if not self.suspects:
+        slow_links = any(link["slow"] for link in self.links)
+        if not self.suspects and slow_links:
+            lines.append("MegaScan detection: no slow or hung rank; a slow link (below).")
+        elif not self.suspects:
             lines.append("MegaScan detection: no suspect (no rank is slow, no link is slow, no rank hung).")
         else:
             lines.append(f"MegaScan detection: {len(self.suspects)} suspect(s), most likely first")
@@ -63,6 +66,8 @@ class Report:
         slow = [link for link in self.links if link["slow"]]
         for link in slow:
             lines.append(f"Slow link {link['src']} -> {link['dst']}: {link['bandwidth_gbps']:.2f} GB/s, "
-                         f"median latency {link['median_latency_us']:.0f} us over {link['transfers']} transfers")
+                         f"median latency {link['median_latency_us']:.0f} us over {link['transfers']} transfers; "
+                         f"its transfers on the critical path took {link['critical_path_delay_us'] / 1e3:.1f} ms "
+                         f"longer than the same transfers on other links")
         lines += [f"Note: {note}" for note in self.notes]
         return "\n".join(lines)

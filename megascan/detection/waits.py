@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascan.detection.rank_timelines import NO_RECORD
+
 
 @dataclass
 class GroupWaits:
@@ -44,21 +46,18 @@ def group_waits(timelines):
     if not groups:
         return {}
     instance_ids = np.fromiter(group_of_instance, dtype=np.int64, count=len(group_of_instance))
-    last_records = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(group_of_instance))
-    group_at = np.full(int(timelines.instance.max()) + 1, -1, dtype=np.int64)
+    group_at = np.full(len(timelines.instances), -1, dtype=np.int64)
     group_at[instance_ids] = np.fromiter(group_of_instance.values(), dtype=np.int64, count=len(instance_ids))
-    last_at = np.zeros(len(group_at), dtype=np.int64)
-    last_at[instance_ids] = last_records
-    complete = group_at[timelines.instance] >= 0
-    group = group_at[timelines.instance[complete]]
-    rank = timelines.rank[complete]
-    last = last_at[timelines.instance[complete]]
+    awaited = timelines.arrival_awaited()
+    complete = awaited != NO_RECORD
+    group, rank, last = group_at[timelines.instance[complete]], timelines.rank[complete], awaited[complete]
     wait = timelines.start[last] - timelines.start[complete]
     span = int(timelines.rank.max()) + 1
     for key, us in _sums(group * span + rank, wait).items():
         groups[key // span].waited[key % span] = us
     for key, us in _sums(group * span + timelines.rank[last], wait).items():
         groups[key // span].imposed[key % span] = us
+    last_records = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(instance_ids))
     last_group = group_at[instance_ids]
     for key, count in _sums(last_group * span + timelines.rank[last_records], np.ones(len(last_records))).items():
         groups[key // span].last[key % span] = int(count)
@@ -69,11 +68,8 @@ def group_waits(timelines):
 
 def waited_for(timelines):
     """rank -> {rank it waited for: us}: at each complete instance, from its arrival to the last arrival."""
-    records = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
-    last_of = np.full(int(timelines.instance.max(initial=-1)) + 1, -1, dtype=np.int64)
-    last_of[np.fromiter(timelines.last_arrival, dtype=np.int64, count=len(records))] = records
-    last = last_of[timelines.instance] if len(last_of) else np.zeros(0, dtype=np.int64)
-    waiting = (last >= 0) & (last != np.arange(len(last)))
+    last = timelines.arrival_awaited()
+    waiting = (last != NO_RECORD) & (last != np.arange(len(last)))
     waiter, waited = timelines.rank[waiting], timelines.rank[last[waiting]]
     span = int(timelines.rank.max(initial=0)) + 1
     totals = {}
