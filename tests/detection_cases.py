@@ -6,6 +6,7 @@ tests/test_detection_scenarios.py (small layouts) and bench/detection_scale.py (
 
 import random
 
+from megascan.detection.links import MIN_LINKS_TO_COMPARE
 from simulated_traces import Scenario
 
 SLOW_FACTORS = (1.2, 1.3, 1.45, 1.6)
@@ -27,8 +28,9 @@ def _roles(layout, rng):
 
 
 def _pairs(layout, roles, rng):
-    """Two slow GPUs at once: in different stages, in different DP replicas, and two of one stage."""
-    pairs = {"first and last stage": (roles["first stage"], roles["last stage"])}
+    """Two slow GPUs at once: in different stages, in different DP replicas, and two of one stage (never every
+    rank of the job: with all ranks slow there is no healthy one to measure them against)."""
+    pairs = {"first and last stage": (roles["first stage"], roles["last stage"])} if layout.world_size > 2 else {}
     if "middle stage" in roles and "TP peer" in roles and roles["TP peer"] != roles["middle stage"]:
         pairs["middle stage and a TP peer"] = (roles["middle stage"], roles["TP peer"])
     if "DP replica" in roles and layout.coords(roles["DP replica"])["pp"] != 0:
@@ -67,7 +69,7 @@ def scenarios(dp, tp, pp, seed, microbatches=4, layers_per_stage=2, hangs=HANG_O
         factors = (SLOW_FACTORS[(number + seed) % 4], SLOW_FACTORS[(number + seed + 1) % 4])
         cases.append((Scenario(f"{name} {factors[0]}x {factors[1]}x", culprits=dict(zip(ranks, factors)), **base),
                       {"slow": set(ranks)}))
-    if pp > 1:
+    if dp * tp * (pp - 1) * 2 >= MIN_LINKS_TO_COMPARE:  # a slow link shows against at least two others
         d, t, stage = rng.randrange(dp), rng.randrange(tp), rng.randrange(pp - 1)
         link = (layout.rank(d, stage, t), layout.rank(d, stage + 1, t))
         if rng.random() < 0.5:

@@ -31,12 +31,14 @@ __all__ = ["Report", "Suspect", "detect"]
 
 def detect(merged):
     timelines = build_timelines(merged)
-    attribution = attribute_delays(timelines, critical_paths(timelines))
+    compute = compute_slowness(merged)
+    attribution = attribute_delays(timelines, critical_paths(timelines),
+                                   {rank: entry["ratio"] for rank, entry in compute.items()})
     groups = group_waits(timelines)
     hung, blocked = classify_hang(merged)
     suspects = hang_suspects(merged, hung)
     hung_ranks = {suspect.rank for suspect in suspects}
-    suspects += [suspect for suspect in find_culprits(merged, attribution, compute_slowness(merged), groups,
+    suspects += [suspect for suspect in find_culprits(merged, attribution, compute, groups,
                                                       nvml_evidence(merged)) if suspect.rank not in hung_ranks]
     notes = [f"rank {rank} was not aligned and is not analysed: {reason}" for rank, reason in merged.unaligned.items()]
     alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}

@@ -46,8 +46,12 @@ def _evidence(rank, attribution, compute, delay, groups):
         lines.append(f"compute: its own compute took {compute[rank]['ratio']:.2f}x what the other ranks take for "
                      f"the same operations (theirs: {compute[rank]['others_ratio']:.2f}x; "
                      f"{compute[rank]['samples']} samples)")
-    lines.append(f"own work between synchronisations: {delay.own_ratio:.2f}x what its peers of the same pipeline "
-                 f"stage take")
+    if delay.stage_peers:
+        lines.append(f"own work between synchronisations: {delay.own_ratio:.2f}x what its peers of the same "
+                     f"pipeline stage take")
+    else:
+        lines.append("own work between synchronisations: no other rank shares its pipeline stage, so it is "
+                     "measured by its compute ratio")
     waits = _waits_caused(rank, groups)
     if waits:
         lines.append(f"waits it caused: {waits}")

@@ -31,6 +31,7 @@ class RankDelay:
     masked_us: dict = field(default_factory=dict)
     own_us: float = 0.0  # all its own work that has peers to compare with ...
     peers_us: float = 0.0  # ... and what its peers take for the same work
+    stage_peers: bool = True  # False: no rank shares its stage; its work was measured by its compute ratio
 
     @property
     def own_ratio(self):
@@ -61,15 +62,21 @@ def _add_masked(timelines, awaited, comparable, excess, ranks):
         ranks[rank].masked_us[other] = total
 
 
-def attribute_delays(timelines, paths):
-    """DelayAttribution of the critical paths (module docstring)."""
+def attribute_delays(timelines, paths, compute_ratios):
+    """DelayAttribution of the critical paths (module docstring). ``compute_ratios``: rank -> its compute over
+    what other ranks take for identical operations; it measures the work of a rank no other rank shares its
+    pipeline stage with (DP1 x TP1), whose expected work is then its own divided by that ratio."""
     expected_gap = medians_of_others(timelines.gap, timelines.role_key)
+    alone = np.isnan(expected_gap)
+    ratio = np.array([compute_ratios.get(rank, np.nan) for rank in timelines.rank[alone].tolist()], dtype=np.float64)
+    expected_gap[alone] = timelines.gap[alone] / ratio
     ranks = {}
     comparable = ~np.isnan(expected_gap)
     own = np.bincount(timelines.rank[comparable], weights=timelines.gap[comparable]) if comparable.any() else []
     peers = np.bincount(timelines.rank[comparable], weights=expected_gap[comparable]) if comparable.any() else []
+    without_peers = set(timelines.rank[alone].tolist())
     for rank in np.unique(timelines.rank).tolist():
-        delay = ranks[rank] = RankDelay(rank)
+        delay = ranks[rank] = RankDelay(rank, stage_peers=rank not in without_peers)
         if rank < len(own):
             delay.own_us, delay.peers_us = float(own[rank]), float(peers[rank])
     awaited = timelines.arrival_awaited()
