@@ -1,22 +1,23 @@
-"""How tools/aggregate.py scales with the number of rank files: seconds and peak memory of
-``load_and_merge`` and of writing the Chrome trace, per world size.
+"""How tools/aggregate.py scales with ranks and operations: seconds and peak memory of ``load_and_merge``,
+writing the Chrome trace and detection (what ``tools/aggregate.py -b DIR -d`` does), per run size.
 
-    python bench/aggregate_scale.py                      # synthetic runs of 64, 256 and 1024 ranks
-    python bench/aggregate_scale.py --ranks 64 1024 --json scale.json
+    python bench/aggregate_scale.py                      # simulated runs of 128, 256, 512 and 1024 ranks
+    python bench/aggregate_scale.py --ranks 1024 --windows 1 2 4 --json scale.json
     python bench/aggregate_scale.py --from TRACE_DIR     # a real run's directory, its DP replicas copied
 
-Synthetic runs (tests/synthetic_traces.py) are DP x PP2 x TP2 with a 4-layer model, 4 microbatches and
-two traced iterations: per rank and iteration 32 tensor-parallel all-reduces, 8 pipeline sends/recvs
-and the gradient, embedding and grad-norm all-reduces, ranks' clocks apart by up to 0.5 ms and
-20 ppm. ``--from`` replicates a real directory's data-parallel replicas until N ranks, renumbering
-ranks and process groups as a larger DP would have them. Each N is measured in a fresh process, so
-that the peak RSS is that N's own. Linear scaling shows as a constant time and memory per rank.
+Simulated runs (tests/simulated_traces.py) are DP x TP8 x PP8 GPT runs, 1F1B with 9 microbatches and two
+layers per stage, ``--windows`` trace windows of two iterations (default 2): per rank and iteration 72
+tensor-parallel all-reduces, 14-18 pipeline sends/recvs and the gradient, embedding and grad-norm
+all-reduces; hosts of 8 GPUs with clocks milliseconds apart, drifting and anchored per window. At 1024
+ranks and 2 windows that is 102,208 operations (matched instances). ``--from`` replicates a real
+directory's data-parallel replicas until N ranks, renumbering ranks and process groups as a larger DP
+would have them. Each size is measured in a fresh process, so that the peak RSS is its own. Linear
+scaling shows as a constant time and memory per operation.
 """
 
 import argparse
 import json
 import os
-import random
 import resource
 import subprocess
 import sys
@@ -29,17 +30,20 @@ sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 from megascan.aggregate.chrome_trace import write_chrome_trace  # noqa: E402
 from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory  # noqa: E402
 from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
-from synthetic_traces import read_lines, write_lines, write_run  # noqa: E402
+from megascan.detection import detect  # noqa: E402
+from simulated_traces import Scenario, simulate  # noqa: E402
+from synthetic_traces import read_lines, write_lines  # noqa: E402
 
-SYNTHETIC_PP, SYNTHETIC_TP = 2, 2
+SIMULATED_TP, SIMULATED_PP, MICROBATCHES = 8, 8, 9
 
 
-def synthetic_directory(directory, ranks):
-    dp = ranks // (SYNTHETIC_PP * SYNTHETIC_TP)
-    rng = random.Random(ranks)
-    clocks = {r: (1.0 + rng.uniform(-20e-6, 20e-6), rng.uniform(-500.0, 500.0)) for r in range(1, ranks)}
-    write_run(directory, dp=dp, pp=SYNTHETIC_PP, tp=SYNTHETIC_TP, layers=4, microbatches=4, windows=((4, 5),),
-              clocks=clocks)
+def simulated_directory(directory, ranks, windows):
+    dp = ranks // (SIMULATED_TP * SIMULATED_PP)
+    if dp < 1 or ranks % (SIMULATED_TP * SIMULATED_PP):
+        raise SystemExit(f"--ranks {ranks} is not a multiple of TP x PP = {SIMULATED_TP * SIMULATED_PP}")
+    iterations = tuple((5 * w + 4, 5 * w + 5) for w in range(windows))
+    simulate(Scenario("scale", dp, SIMULATED_TP, SIMULATED_PP, microbatches=MICROBATCHES, windows=iterations,
+                      seed=ranks), directory)
 
 
 class _Replicator:
@@ -105,21 +109,24 @@ def replicated_directory(source, directory, ranks):
 
 
 def measure(directory):
-    """One N, in this process: seconds of each step, the peak RSS and how much of it the data added."""
-    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # interpreter, numpy, torch
+    """One size, in this process: seconds of each step and the peak RSS (the interpreter's own included)."""
+    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     started = time.perf_counter()
     merged = load_and_merge(directory)
     merged_at = time.perf_counter()
     output = os.path.join(directory, "benchmark.json")
     write_chrome_trace(merged, output)
     written_at = time.perf_counter()
+    report = detect(merged)
+    detected_at = time.perf_counter()
     return {"ranks": len(merged.ranks), "instances": len(merged.instances),
             "records": sum(len(i.records) for i in merged.instances),
             "events": sum(len(t.events) for t in merged.ranks.values()),
-            "unaligned": len(merged.unaligned), "problems": merged.problems,
+            "unaligned": len(merged.unaligned), "problems": merged.problems, "suspects": len(report.suspects),
             "max_residual_us": max((t.clock.residual_us for t in merged.ranks.values()), default=0.0),
             "load_and_merge_s": merged_at - started, "chrome_trace_s": written_at - merged_at,
-            "total_s": written_at - started, "chrome_trace_mb": os.path.getsize(output) / 1e6,
+            "detect_s": detected_at - written_at, "total_s": detected_at - started,
+            "chrome_trace_mb": os.path.getsize(output) / 1e6,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_rss_mb": baseline_mb}
 
 
@@ -131,7 +138,8 @@ def _measure_in_child(directory):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[64, 256, 1024])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[128, 256, 512, 1024])
+    parser.add_argument("--windows", type=int, nargs="+", default=[2], help="trace windows of simulated runs")
     parser.add_argument("--from", dest="source", metavar="TRACE_DIR", help="replicate this real run's directory")
     parser.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     parser.add_argument("--measure", metavar="DIR", help=argparse.SUPPRESS)  # the child process's job
@@ -141,20 +149,21 @@ def main():
         return
     rows = []
     for ranks in args.ranks:
-        with tempfile.TemporaryDirectory(prefix=f"megascan-scale-{ranks}-") as directory:
-            if args.source:
-                replicated_directory(args.source, directory, ranks)
-            else:
-                synthetic_directory(directory, ranks)
-            rows.append(_measure_in_child(directory))
-    print(f"{'ranks':>6} {'instances':>9} {'records':>8} {'merge s':>8} {'chrome s':>8} {'total s':>8} "
-          f"{'ms/rank':>8} {'peak RSS MB':>11} {'added MB':>8} {'KB/rank':>8} {'trace MB':>8} {'resid us':>8}")
+        for windows in ([None] if args.source else args.windows):
+            with tempfile.TemporaryDirectory(prefix=f"megascan-scale-{ranks}-") as directory:
+                if args.source:
+                    replicated_directory(args.source, directory, ranks)
+                else:
+                    simulated_directory(directory, ranks, windows)
+                rows.append(_measure_in_child(directory))
+    print(f"{'ranks':>6} {'instances':>9} {'records':>8} {'events':>8} {'merge s':>8} {'chrome s':>8} {'detect s':>8} "
+          f"{'total s':>8} {'us/inst':>8} {'peak MB':>8} {'KB/inst':>8} {'trace MB':>8} {'resid us':>8}")
     for row in rows:
         added = row["peak_rss_mb"] - row["baseline_rss_mb"]
-        print(f"{row['ranks']:>6} {row['instances']:>9} {row['records']:>8} {row['load_and_merge_s']:>8.2f} "
-              f"{row['chrome_trace_s']:>8.2f} {row['total_s']:>8.2f} {1e3 * row['total_s'] / row['ranks']:>8.2f} "
-              f"{row['peak_rss_mb']:>11.0f} {added:>8.0f} {1024 * added / row['ranks']:>8.0f} "
-              f"{row['chrome_trace_mb']:>8.1f} {row['max_residual_us']:>8.2f}")
+        print(f"{row['ranks']:>6} {row['instances']:>9} {row['records']:>8} {row['events']:>8} "
+              f"{row['load_and_merge_s']:>8.2f} {row['chrome_trace_s']:>8.2f} {row['detect_s']:>8.2f} "
+              f"{row['total_s']:>8.2f} {1e6 * row['total_s'] / row['instances']:>8.1f} {row['peak_rss_mb']:>8.0f} "
+              f"{1024 * added / row['instances']:>8.2f} {row['chrome_trace_mb']:>8.1f} {row['max_residual_us']:>8.2f}")
         for problem in row["problems"]:
             print(f"  {row['ranks']} ranks: {problem}")
     if args.json:

@@ -2,7 +2,7 @@
 clock-aligned timeline, with detection of slow GPUs, slow links and hangs. See README and docs/.
 
 ``PLUGIN`` (the training loop's plugin) is built on first access, so that the aggregation tool,
-which needs only numpy, does not pay for importing torch and megatron-core.
+which needs only numpy and orjson, does not pay for importing torch and megatron-core.
 """
 
 

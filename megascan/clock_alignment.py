@@ -1,18 +1,26 @@
 """Put every rank's timestamps on one global clock.
 
-Each rank times events with its own clock: ``local = rate * global + offset``, where the offset
-(seconds apart across hosts) and the rate (drift, tens of ppm) are unknown. Wall-clock anchors
-give a first guess good to milliseconds. The refinement uses what the trace itself proves: the
-participants of one collective finish it together. With ``T_k`` the global finish time of
-collective instance ``k`` and ``end[r, k]`` its local finish time on rank ``r``,
+A trace window's times come from the rank's timer (CUDA events, or the host's perf_counter) placed on
+its host's wall clock by an anchor taken for that window (megascan/timing.py). So rank r's reading in
+window w is
 
-    end[r, k] = rate_r * T_k + offset_r      for every participant r of k,
+    local = rate_r * global + offset_r + window_offset[r, w]
 
-which ``ClockAligner`` solves by alternating robust fits: ``T_k`` as the median over the
-participants of their current global estimates, then each rank's (rate, offset) as a
-Huber-weighted line through its (T_k, end[r, k]) points. The reference rank fixes the gauge
-(rate 1, offset 0). A rank that shares no collective with the reference, directly or through
-other ranks, cannot be aligned: it is reported with the reason instead of being merged.
+with a per-window offset (the anchor's error, microseconds on a GPU; a host's NTP offset, which wanders
+over a long run) and one rate per rank: the drift of its timer against the reference's, which shows
+only within a window. The refinement uses what the trace itself proves: the participants of one
+collective finish it together. With T_k the global finish of collective instance k in window w,
+
+    end[r, k] = T_k + o[r, w] + d_r * (T_k - c_w)      for every participant r of k,
+
+a weighted least-squares problem that is linear once the T_k are eliminated: per window, one system in
+the ranks' offsets and drifts, accumulated group by group (the instances of one process group share
+their members) and solved directly, reweighted (Huber) against late returns. A drift is kept only
+where it is significant (5 standard errors of the rank's within-window slopes); elsewhere the rank
+keeps rate 1, so per-window anchor errors on one host are never mistaken for drift. The reference rank,
+and ranks known to read the same clock (``fixed``: same host, host timer), are the gauge: not fitted.
+A rank that shares no collective with the reference, directly or through other ranks, cannot be
+aligned: it is reported with the reason instead of being merged.
 """
 
 from dataclasses import dataclass, field
@@ -20,17 +28,35 @@ from dataclasses import dataclass, field
 import numpy as np
 
 _HUBER_US = 20.0  # residuals past this count linearly: a late return is an outlier, not a shift
+_DRIFT_SIGNIFICANCE = 5.0  # standard errors a drift must stand out by to be kept
+_NOISE_FLOOR_US = 0.05  # finishes never agree better than this (timer resolution)
+_DRIFT_RIDGE = 1e-6  # against singular drift columns, in the units of a window's scaled slope
+_SAME_FIT = 1.5  # a simpler clock model is kept while its misfit stays within this factor of the richer one's
+
+
+def _median(values):
+    return float(np.median(values)) if len(values) else float("nan")
 
 
 @dataclass
 class RankClock:
     rate: float  # local microseconds per global microsecond
-    offset_us: float  # local reading at global time 0
+    offset_us: float  # local reading at global time 0, less the window's offset
     residual_us: float  # median |misfit| of this rank's collective finishes after alignment
     collectives: int  # how many collective finishes the fit used
+    window_offsets_us: dict = field(default_factory=dict)  # window -> its anchor's offset (added to offset_us)
 
-    def to_global(self, local_us):
-        return (np.asarray(local_us, dtype=np.float64) - self.offset_us) / self.rate
+    def window_offset(self, window):
+        """The window's own offset, or the nearest fitted window's (the earlier one on a tie) for a window
+        without finishes (one that stalled: its host times follow the host's clock of the windows around)."""
+        if window in self.window_offsets_us or not self.window_offsets_us:
+            return self.window_offsets_us.get(window, 0.0)
+        if window is None:
+            return next(iter(self.window_offsets_us.values()))
+        return self.window_offsets_us[min(self.window_offsets_us, key=lambda w: (abs(w - window), w))]
+
+    def to_global(self, local_us, window=None):
+        return (np.asarray(local_us, dtype=np.float64) - self.offset_us - self.window_offset(window)) / self.rate
 
     @property
     def drift_ppm(self):
@@ -44,86 +70,206 @@ class Alignment:
     unaligned: dict = field(default_factory=dict)  # rank -> reason
 
 
-def _connected_to(reference, instances):
-    """Ranks linked to ``reference`` through shared collective instances."""
-    linked, frontier = {reference}, [reference]
-    neighbours = {}
-    for ends in instances.values():
-        for rank in ends:
-            neighbours.setdefault(rank, set()).update(ends)
-    while frontier:
-        for other in neighbours.get(frontier.pop(), ()):
-            if other not in linked:
-                linked.add(other)
-                frontier.append(other)
-    return linked
+def _linked(instances, start):
+    """Ranks linked to ``start`` through shared collective instances: labels propagated along each instance's
+    members (first to the others) until they settle, with pointer jumping, all in numpy."""
+    ranks = sorted({rank for ends in instances for rank in ends} | {start})
+    index = {rank: i for i, rank in enumerate(ranks)}
+    first, other = [], []
+    for ends in instances:
+        members = [index[rank] for rank in ends]
+        first += [members[0]] * (len(members) - 1)
+        other += members[1:]
+    first, other = np.array(first, dtype=np.int64), np.array(other, dtype=np.int64)
+    labels = np.arange(len(ranks))
+    while True:
+        lowest = np.minimum(labels[first], labels[other])
+        updated = labels.copy()
+        np.minimum.at(updated, first, lowest)
+        np.minimum.at(updated, other, lowest)
+        updated = updated[updated]  # jump to the label's own label
+        if np.array_equal(updated, labels):
+            break
+        labels = updated
+    home = labels[index[start]]
+    return {rank for rank, label in zip(ranks, labels.tolist()) if label == home}
 
 
-def _huber_line(x, y, iterations=5):
-    """Robust (slope, intercept) of y over x, x centred for conditioning."""
-    x_mean = x.mean()
-    xc = x - x_mean
-    weights = np.ones_like(x)
-    for _ in range(iterations):
-        w_sum = weights.sum()
-        mx, my = (weights * xc).sum() / w_sum, (weights * y).sum() / w_sum
-        var = (weights * (xc - mx) ** 2).sum()
-        slope = (weights * (xc - mx) * (y - my)).sum() / var if var > 0 else 1.0
-        intercept_c = my - slope * mx
-        residual = np.abs(y - (slope * xc + intercept_c))
-        weights = np.where(residual <= _HUBER_US, 1.0, _HUBER_US / np.maximum(residual, 1e-12))
-    return slope, intercept_c - slope * x_mean
+@dataclass
+class _ClockFit:
+    drift: dict  # rank -> rate - 1, where significant
+    offsets: dict  # rank -> {window: offset}
+    misfits: dict  # rank -> |misfit| of each of its finishes
+
+
+class _WindowFit:
+    """The finishes of one window, grouped by member set, and the weighted least-squares fit on them."""
+
+    def __init__(self, instances, ranks):
+        self.index = {rank: i for i, rank in enumerate(ranks)}
+        by_members = {}
+        for ends in instances:
+            members = tuple(sorted(ends))
+            by_members.setdefault(members, []).append([ends[rank] for rank in members])
+        self.blocks = [(np.array([self.index[r] for r in members]), np.array(rows, dtype=np.float64))
+                       for members, rows in by_members.items()]
+        medians = [np.median(rows, axis=1) for _, rows in self.blocks]
+        self.centre = float(np.mean(np.concatenate(medians)))
+        self.scale = max(float(np.max(np.abs(np.concatenate(medians) - self.centre))), 1.0)
+        self.taus = [(m - self.centre) / self.scale for m in medians]  # in [-1, 1]: keeps the system conditioned
+        self.weights = [np.ones_like(rows) for _, rows in self.blocks]
+
+    def _normal_equations(self, size):
+        n, b = np.zeros((2 * size, 2 * size)), np.zeros(2 * size)
+        for (members, rows), tau, weights in zip(self.blocks, self.taus, self.weights):
+            total = weights.sum(axis=1)
+            deviation = rows - (weights * rows).sum(axis=1, keepdims=True) / total[:, None]
+            for i, left in enumerate((1.0, tau)):
+                for j, right in enumerate((1.0, tau)):
+                    scale = np.broadcast_to(np.asarray(left * right, dtype=np.float64), tau.shape)
+                    block = np.diag((scale[:, None] * weights).sum(axis=0)) - weights.T @ (weights * (scale / total)[:, None])
+                    n[np.ix_(members + i * size, members + j * size)] += block
+                b[members + i * size] += (np.broadcast_to(np.asarray(left, dtype=np.float64), tau.shape)[:, None]
+                                          * weights * deviation).sum(axis=0)
+        return n, b
+
+    def solve(self, free, drift=None):
+        """(offsets, drifts in scaled units) of all ranks; gauge ranks 0. ``drift`` given: offsets only."""
+        size = len(self.index)
+        offsets, drifts = np.zeros(size), np.zeros(size) if drift is None else drift.copy()
+        if not len(free):
+            return offsets, drifts
+        n, b = self._normal_equations(size)
+        if drift is None:
+            chosen = np.concatenate([free, free + size])
+            system = n[np.ix_(chosen, chosen)]
+            # A rank whose finishes in this window all fall at one moment has no slope to fit: a whisker of
+            # ridge on the drifts keeps the system solvable and its drift at zero.
+            system[len(free):, len(free):] += _DRIFT_RIDGE * np.eye(len(free))
+            solution = np.linalg.solve(system, b[chosen])
+            offsets[free], drifts[free] = solution[:len(free)], solution[len(free):]
+        else:
+            rhs = b[:size] - n[:size, size:] @ drifts
+            offsets[free] = np.linalg.solve(n[np.ix_(free, free)], rhs[free])
+        return offsets, drifts
+
+    def residuals(self, offsets, drifts):
+        """Per block: each finish's misfit once the instance's own global finish is taken out."""
+        result = []
+        for (members, rows), tau, weights in zip(self.blocks, self.taus, self.weights):
+            shifted = rows - offsets[members] - tau[:, None] * drifts[members]
+            result.append(shifted - (weights * shifted).sum(axis=1, keepdims=True) / weights.sum(axis=1, keepdims=True))
+        return result
+
+    def reweight(self, residuals):
+        """Huber weights from the misfits; True if they changed."""
+        new = [np.minimum(1.0, _HUBER_US / np.maximum(np.abs(r), 1e-12)) for r in residuals]
+        changed = any(not np.allclose(a, b, atol=1e-3) for a, b in zip(new, self.weights))
+        self.weights = new
+        return changed
+
+    def slopes(self, residuals, drifts):
+        """Per rank: (drift estimate, its variance), both in scaled units, from this window's points."""
+        size = len(self.index)
+        sums = {name: np.zeros(size) for name in ("n", "t", "tt", "e", "ee")}
+        for (members, _), tau, residual in zip(self.blocks, self.taus, residuals):
+            taus = np.broadcast_to(tau[:, None], residual.shape)
+            for name, values in (("n", np.ones_like(residual)), ("t", taus), ("tt", taus ** 2), ("e", residual),
+                                 ("ee", residual ** 2)):
+                np.add.at(sums[name], np.broadcast_to(members, residual.shape), values)
+        count = np.maximum(sums["n"], 1.0)
+        spread = sums["tt"] - sums["t"] ** 2 / count  # sum of squared deviations of tau
+        noise = np.maximum(np.sqrt(np.maximum(sums["ee"] / count, 0.0)), _NOISE_FLOOR_US)
+        variance = np.where(spread > 0, noise ** 2 / np.maximum(spread, 1e-12), np.inf)
+        return drifts, variance
 
 
 class ClockAligner:
-    """Solves per-rank (rate, offset) from collective finish times; see the module docstring."""
+    """Solves per-rank offsets (per window) and drift from collective finish times; module docstring."""
 
-    def __init__(self, reference_rank=0, max_iterations=50, tolerance_us=1e-3):
+    def __init__(self, reference_rank=0, max_iterations=5, tolerance_us=1e-3):
         self.reference_rank = reference_rank
         self.max_iterations = max_iterations
         self.tolerance_us = tolerance_us
 
-    def align(self, instances, initial_offsets_us=None):
-        """``instances``: {instance id: {rank: local finish time in us}} for collectives seen by
-        two or more ranks. ``initial_offsets_us``: {rank: wall-clock anchor estimate of the
-        offset}; missing ranks start at 0."""
-        instances = {k: ends for k, ends in instances.items() if len(ends) >= 2}
-        all_ranks = {rank for ends in instances.values() for rank in ends}
-        all_ranks.update(initial_offsets_us or {})
-        linked = _connected_to(self.reference_rank, instances)
+    def align(self, instances, initial_offsets_us=None, windows=None, fixed=()):
+        """``instances``: {instance id: {rank: local finish time in us}} for collectives seen by two or more
+        ranks; ``windows``: {instance id: trace window} (default: one window); ``initial_offsets_us``: {rank:
+        wall-clock estimate of its offset}, taken out before the fit; ``fixed``: ranks that read the
+        reference's clock (not fitted)."""
+        anchors = initial_offsets_us or {}
+        initial = {rank: float(offset) - float(anchors.get(self.reference_rank, 0.0)) for rank, offset in anchors.items()}
+        instances = {k: {r: t - initial.get(r, 0.0) for r, t in ends.items()} for k, ends in instances.items()
+                     if len(ends) >= 2}
+        all_ranks = {rank for ends in instances.values() for rank in ends} | set(initial)
+        linked = _linked(instances.values(), self.reference_rank)
         unaligned = {rank: f"shares no collective with rank {self.reference_rank} or the ranks aligned to it"
                      for rank in sorted(all_ranks - linked)}
         ranks = sorted(linked)
-        if ranks == [self.reference_rank]:  # the reference itself took part in no collective
-            return Alignment(self.reference_rank, {self.reference_rank: RankClock(1.0, 0.0, float("nan"), 0)},
-                             unaligned)
-        usable = {k: {r: t for r, t in ends.items() if r in linked} for k, ends in instances.items()}
-        usable = {k: ends for k, ends in usable.items() if len(ends) >= 2}
-        keys = list(usable)
-        rate = {r: 1.0 for r in ranks}
-        offset = {r: float((initial_offsets_us or {}).get(r, 0.0)) for r in ranks}
-        offset[self.reference_rank], rate[self.reference_rank] = 0.0, 1.0
-        # Every linked rank has at least one instance (that is how it got linked).
-        members = {r: [(i, usable[k][r]) for i, k in enumerate(keys) if r in usable[k]] for r in ranks}
-        for _ in range(self.max_iterations):
-            finish = np.array([np.median([(t - offset[r]) / rate[r] for r, t in usable[k].items()]) for k in keys])
-            fitted = {}
-            for r in ranks:
-                index, local = map(np.array, zip(*members[r]))
-                fitted[r] = _huber_line(finish[index], local.astype(np.float64))
-            # Every rank, the reference too, was fitted to the consensus frame; re-express all in the
-            # reference's clock, so that the frame cannot settle away from it.
-            ref_rate, ref_offset = fitted[self.reference_rank]
-            change = 0.0
-            for r, (fit_rate, fit_offset) in fitted.items():
-                new_rate, new_offset = fit_rate / ref_rate, fit_offset - fit_rate * ref_offset / ref_rate
-                change = max(change, abs(new_offset - offset[r]), abs(new_rate - rate[r]) * np.abs(finish).max())
-                rate[r], offset[r] = new_rate, new_offset
-            if change < self.tolerance_us:
-                break
-        clocks = {}
-        for r in ranks:
-            index, local = map(np.array, zip(*members[r]))
-            misfit = np.abs(local - (rate[r] * finish[index] + offset[r]))
-            clocks[r] = RankClock(rate[r], offset[r], float(np.median(misfit)), len(index))
+        gauge = {self.reference_rank} | (set(fixed) & linked)
+        usable = {key: ends for key, ends in instances.items() if all(rank in linked for rank in ends)}
+        fit = self._fit(usable, windows or {}, ranks, gauge)
+        if len(set((windows or {}).values())) > 1:
+            # One offset per rank for the whole trace uses the span between windows to measure drift; keep
+            # it if it explains the finishes as well as an offset per window does (no anchor errors to absorb).
+            shared = self._fit(usable, {}, ranks, gauge)
+            if all(_median(shared.misfits[r]) <= _SAME_FIT * _median(fit.misfits[r]) + _NOISE_FLOOR_US for r in ranks):
+                fit = _ClockFit(shared.drift, {rank: dict.fromkeys(fit.offsets[rank], shared.offsets[rank][None])
+                                               for rank in ranks}, shared.misfits)
+        clocks = {rank: RankClock(1.0 + fit.drift.get(rank, 0.0), initial.get(rank, 0.0), _median(fit.misfits[rank]),
+                                  len(fit.misfits[rank]), fit.offsets[rank]) for rank in ranks}
         return Alignment(self.reference_rank, clocks, unaligned)
+
+    def _fit(self, instances, windows, ranks, gauge):
+        """_ClockFit with an offset per window of ``windows`` ({instance id: window}; empty: one offset for
+        the whole trace)."""
+        by_window = {}
+        for key, ends in instances.items():
+            by_window.setdefault(windows.get(key), []).append(ends)
+        # One window for the whole trace holds every instance: its ranks are all linked to the reference.
+        linked = set(ranks) if not windows else None
+        fits = {window: self._fit_window(members, ranks, gauge, linked) for window, members in by_window.items()}
+        drift = self._significant_drift(fits, ranks, gauge)
+        offsets, misfits = {rank: {} for rank in ranks}, {rank: [] for rank in ranks}
+        for window, (fit, free, present, _, _) in fits.items():
+            scaled = np.array([drift.get(rank, 0.0) * fit.scale for rank in ranks])
+            solved, _ = fit.solve(free, scaled)
+            for (members, _), residual in zip(fit.blocks, fit.residuals(solved, scaled)):
+                for column, member in enumerate(members.tolist()):
+                    misfits[ranks[member]].extend(np.abs(residual[:, column]).tolist())
+            for rank in present:  # ranks cut off from the reference in this window take another window's offset
+                offsets[rank][window] = float(solved[fit.index[rank]]) - drift.get(rank, 0.0) * fit.centre
+        return _ClockFit(drift, offsets, misfits)
+
+    def _fit_window(self, instances, ranks, gauge, linked=None):
+        """(fit, free rank indices, ranks linked to the reference in it, drifts, their variances) of one window,
+        reweighted to convergence."""
+        fit = _WindowFit(instances, ranks)
+        present = _linked(instances, self.reference_rank) if linked is None else linked
+        free = np.array([fit.index[r] for r in sorted(present - gauge)], dtype=np.int64)
+        offsets, drifts = fit.solve(free)
+        for _ in range(self.max_iterations):
+            if not fit.reweight(fit.residuals(offsets, drifts)):
+                break
+            new_offsets, drifts = fit.solve(free)
+            if np.max(np.abs(new_offsets - offsets), initial=0.0) < self.tolerance_us:
+                break
+            offsets = new_offsets
+        estimates, variances = fit.slopes(fit.residuals(offsets, drifts), drifts)
+        return fit, free, present, estimates, variances
+
+    def _significant_drift(self, fits, ranks, gauge):
+        """rank -> drift (rate - 1) where the windows' pooled slope stands out of its noise, else absent."""
+        weight_sum, weighted = np.zeros(len(ranks)), np.zeros(len(ranks))
+        for fit, free, _, estimates, variances in fits.values():
+            inverse = np.where(np.isfinite(variances), 1.0 / np.maximum(variances, 1e-30), 0.0) * fit.scale ** 2
+            weight_sum[free] += inverse[free]
+            weighted[free] += (estimates / fit.scale * inverse)[free]
+        drift = {}
+        for index, rank in enumerate(ranks):
+            if rank in gauge or weight_sum[index] <= 0:
+                continue
+            value, error = weighted[index] / weight_sum[index], weight_sum[index] ** -0.5
+            if abs(value) >= _DRIFT_SIGNIFICANCE * error:
+                drift[rank] = float(value)
+        return drift

@@ -27,8 +27,23 @@ ACTIVATION_BYTES = 8 * 1024 * 1024
 NVML = {"sm_clock_mhz": 1980, "mem_clock_mhz": 3201, "power_w": 412.3, "temperature_c": 51, "throttle_reasons": []}
 
 
+class MegatronRankOrder:
+    """Global ranks of a layout with ``dp``, ``pp``, ``tp`` attributes, in megatron-core's default order."""
+
+    @property
+    def world_size(self):
+        return self.dp * self.pp * self.tp
+
+    def rank(self, dp, pp, tp):
+        """tp fastest, then dp, then pp."""
+        return tp + self.tp * (dp + self.dp * pp)
+
+    def coords(self, rank):
+        return {"dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp), "tp": rank % self.tp}
+
+
 @dataclass
-class SyntheticRun:
+class SyntheticRun(MegatronRankOrder):
     directory: str
     dp: int
     pp: int
@@ -37,17 +52,6 @@ class SyntheticRun:
     windows: list  # traced iterations of each window
     clocks: dict  # rank -> (rate, offset_us)
     truth: dict = field(default_factory=dict)  # op_key of each op record -> the operation it belongs to
-
-    @property
-    def world_size(self):
-        return self.dp * self.pp * self.tp
-
-    def rank(self, dp, pp, tp):
-        """megatron-core's default order (tp fastest, then dp, then pp)."""
-        return tp + self.tp * (dp + self.dp * pp)
-
-    def coords(self, rank):
-        return {"dp": rank // self.tp % self.dp, "pp": rank // (self.tp * self.dp), "tp": rank % self.tp}
 
     def path(self, rank):
         c = self.coords(rank)
@@ -69,8 +73,8 @@ class SyntheticRun:
         return members
 
 
-def _groups(run):
-    """(group table {id: {"ranks", "role"}}, per rank {role: group id})."""
+def layout_groups(run):
+    """(group table {id: {"ranks", "role"}}, per rank {role: group id}) of a MegatronRankOrder."""
     table, of_rank = {}, {rank: {} for rank in range(run.world_size)}
 
     def add(role, ranks):
@@ -213,14 +217,14 @@ def _number_ops(run, rank, lines):
             run.truth[op_key(rank, op)] = operation
 
 
-def _window_groups(table, ops):
+def window_groups(table, ops):
     return {op["group"]: table[op["group"]] for op in ops}
 
 
 def _issued(window, iteration, ops, table):
     issued = [{**{k: v for k, v in op.items() if k not in ("start_us", "end_us")},
                "host_us": round(op["start_us"] - 5.0, 1)} for op in ops]
-    return {"type": "issued", "window": window, "iteration": iteration, "groups": _window_groups(table, ops),
+    return {"type": "issued", "window": window, "iteration": iteration, "groups": window_groups(table, ops),
             "ops": issued}
 
 
@@ -234,7 +238,7 @@ def write_run(directory, dp=2, pp=2, tp=2, layers=4, microbatches=4, windows=((4
     as when a window stalled for a while and then finished."""
     os.makedirs(directory, exist_ok=True)
     run = SyntheticRun(directory, dp, pp, tp, run_id, [list(w) for w in windows], dict(clocks or {}))
-    groups = _groups(run)
+    groups = layout_groups(run)
     table = groups[0]
     period = _StageSchedule(run, 0, layers, microbatches, 0.0).end + 5_000.0
     first = windows[0][0]
@@ -260,7 +264,7 @@ def write_run(directory, dp=2, pp=2, tp=2, layers=4, microbatches=4, windows=((4
                     out.append(_issued(number, w[0], ops[:3], table))
                 out.append({"type": "window", "window": number, "iterations": list(w), "complete": True,
                             "clock": {"source": "cuda_event", "anchor_uncertainty_us": 5.0},
-                            "groups": _window_groups(table, ops), "nvml": NVML,
+                            "groups": window_groups(table, ops), "nvml": NVML,
                             "events": [e for i in w for e in by_iteration[i][0]], "ops": ops})
             reached.update(op_key(rank, op) for op in ops)
         write_lines(run.path(rank), out)

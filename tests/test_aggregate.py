@@ -390,6 +390,23 @@ def test_cli_detection_report_json(tmp_path, capsys):
     assert isinstance(json.loads((tmp_path / "report.json").read_text()), dict)
 
 
+def test_cli_writes_a_part_of_the_timeline(tmp_path, capsys):
+    write_run(tmp_path / "trace")
+    assert main(["-b", str(tmp_path / "trace"), "-o", str(tmp_path / "full.json")]) == 0
+    assert main(["-b", str(tmp_path / "trace"), "-o", str(tmp_path / "part.json"), "--ranks", "0-1,5",
+                 "--iterations", "9"]) == 0
+    assert "Chrome trace (ranks 0, 1, 5 of 8, iteration 9)" in capsys.readouterr().out
+    full, part = ({e.get("args", {}).get("instance"): e for e in json.loads((tmp_path / name).read_text())["traceEvents"]
+                   if e["ph"] == "X" and e["cat"] != "compute" and e["pid"] == 5} for name in ("full.json", "part.json"))
+    events = json.loads((tmp_path / "part.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events} == {0, 1, 5}
+    assert {e["args"]["iteration"] for e in events if e["ph"] == "X"} == {9}
+    # The part's slices name the same instances as the full trace's (rank 5's ops of iteration 9).
+    assert part and set(part) <= set(full) and all(full[i]["args"]["iteration"] == 9 for i in part)
+    starts = {e["id"] for e in events if e["ph"] == "s"}
+    assert starts and starts == {e["id"] for e in events if e["ph"] == "f"}  # arrows among the ranks written
+
+
 def _bad_inputs(tmp_path):
     """Command lines -> what their one line must say."""
     write_run(tmp_path / "trace")
@@ -401,6 +418,8 @@ def _bad_inputs(tmp_path):
         ("-b", tmp_path / "trace", "--sqlite", tmp_path / "trace" / "benchmark-data-0-pipeline-0-tensor-0.json"):
             "--sqlite: ",
         ("-o", tmp_path / "out.json"): "the following arguments are required: -b/--benchmark",
+        ("-b", tmp_path / "trace", "--ranks", "0-3,x"): "--ranks: '0-3,x' is not a list of numbers and ranges",
+        ("-b", tmp_path / "trace", "--iterations", "7-8"): "--iterations: none of them was traced",
     }
 
 

@@ -14,6 +14,9 @@ Times are microseconds since the earliest merged event. Format: docs/megascan_ag
 """
 
 import json
+from json.encoder import encode_basestring
+
+import numpy as np
 
 from megascan.aggregate.atomic_file import replaced_on_success
 from megascan.aggregate.loading import coords_name
@@ -23,12 +26,23 @@ _FIRST_TID = _PID + 1
 _EXTRA_TRACK_WORD = {"compute": "depth", "collectives": "overlap", "p2p": "overlap"}  # "compute (depth 1)"
 _INSIDE_US = 0.001  # flow points sit this far inside their slice, so that viewers bind them to it
 _encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
+# Slices and flows, a million and more at a thousand ranks, are written as JSON text straight from these
+# templates (numbers are finite floats and ints, strings go through the encoder): building a dict per
+# event and encoding it took most of the time of writing the trace.
+_SLICE = '{{"ph":"X","name":{},"cat":{},"pid":{},"tid":{},"ts":{!r},"dur":{!r},"args":{}}}'
+_FLOW_START = '{{"ph":"s","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
+_OP_FIELDS = ("peer", "bytes", "dtype", "iteration", "microbatch", "chunk", "phase")
+_FLOW_END = '{{"ph":"f","bp":"e","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
 
 
 def _lanes(intervals):
     """A lane per (start, end), no two overlapping in one lane; a slice nested in another goes deeper."""
+    bounds = np.array(intervals, dtype=np.float64).reshape(-1, 2)
+    order = np.lexsort((-bounds[:, 1], bounds[:, 0]))
+    if np.all(bounds[order[1:], 0] >= bounds[order[:-1], 1]):  # one after the other (ops, mostly): one lane
+        return [0] * len(intervals)
     lanes, lane_ends = [0] * len(intervals), []
-    for index in sorted(range(len(intervals)), key=lambda i: (intervals[i][0], -intervals[i][1])):
+    for index in order.tolist():
         start, end = intervals[index]
         lane = next((lane for lane, last in enumerate(lane_ends) if last <= start), len(lane_ends))
         if lane == len(lane_ends):
@@ -42,10 +56,24 @@ def _end(item):
     return item["start"] if item["end"] is None else item["end"]
 
 
-def _span(item, origin):
-    """(ts, dur) rounded to nanoseconds such that ts + dur is the rounded end: adjacent slices stay apart."""
-    ts = round(item["start"] - origin, 3)
-    return ts, round(round(_end(item) - origin, 3) - ts, 3)
+def _spans(items, origin):
+    """[(ts, dur)] rounded to nanoseconds such that ts + dur is the rounded end: adjacent slices stay apart."""
+    starts = np.array([item["start"] for item in items], dtype=np.float64) - origin
+    ends = np.array([_end(item) for item in items], dtype=np.float64) - origin
+    ts = np.round(starts, 3)
+    return zip(ts.tolist(), np.round(np.round(ends, 3) - ts, 3).tolist())
+
+
+def _json(value):
+    """A JSON value as text: the common kinds directly, the rest through the encoder."""
+    if value is None:
+        return "null"
+    kind = type(value)
+    if kind is int:
+        return str(value)
+    if kind is str:
+        return encode_basestring(value)
+    return _encode(value)
 
 
 def _tracks(family, items, first_tid, label, names):
@@ -65,79 +93,129 @@ def _thread_names(names):
         yield {"ph": "M", "name": "thread_sort_index", "pid": _PID, "tid": tid, "args": {"sort_index": tid}}
 
 
-def _op_slice(rank, tid, instance, record, origin):
+def _op_args(instance, record, cache):
+    """The op slice's args as JSON text; the parts shared by many records are built once."""
+    shared = cache.get(instance.id)
+    if shared is None:
+        shared = cache[instance.id] = (f'{{"instance":{instance.id},"group":{_json(instance.group)},'
+                                       f'"role":{_json(instance.role)},"seq":{_json(instance.seq)}')
+    fields = (record.get("peer"), record.get("bytes"), record.get("dtype"), record.get("iteration"),
+              record.get("microbatch"), record.get("chunk"), record.get("phase"))
+    own = cache.get(fields)
+    if own is None:
+        own = cache[fields] = ",".join(f'"{key}":{_json(value)}' for key, value in zip(_OP_FIELDS, fields))
+    extra = ""
     duration = _end(record) - record["start"]
-    args = {"instance": instance.id, "group": instance.group, "role": instance.role, "seq": instance.seq,
-            "peer": record.get("peer"), "bytes": record.get("bytes"), "dtype": record.get("dtype"),
-            "iteration": record.get("iteration"), "microbatch": record.get("microbatch"),
-            "chunk": record.get("chunk"), "phase": record.get("phase")}
     if record.get("issued_only"):
-        args["end"] = "unknown: only issued (the window never finished)"
+        extra = ',"end":"unknown: only issued (the window never finished)"'
     elif record["end"] is None:
-        args["end"] = "unknown: the rank never waited for it"
+        extra = ',"end":"unknown: the rank never waited for it"'
     elif duration > 0 and record.get("bytes"):
-        args["bandwidth_GBps"] = round(record["bytes"] / duration / 1e3, 3)
+        extra = f',"bandwidth_GBps":{round(record["bytes"] / duration / 1e3, 3)!r}'
     if instance.missing:
-        args["missing_ranks"] = instance.missing
+        extra += f',"missing_ranks":{_encode(instance.missing)}'
+    return f"{shared},{own}{extra}}}"
+
+
+def _op_name(rank, instance, record, cache):
     if instance.kind == "p2p":
-        name = f"{record['op']} {'to' if rank == instance.src else 'from'} {record.get('peer')}"
-    else:
-        name = f"{record['op']} {instance.role}"
-    ts, dur = _span(record, origin)
-    return {"ph": "X", "name": name, "cat": instance.kind, "pid": _PID, "tid": tid, "ts": ts, "dur": dur, "args": args}
+        key = (record["op"], rank == instance.src, record.get("peer"))
+        text = cache.get(key)
+        if text is None:
+            text = cache[key] = _json(f"{key[0]} {'to' if key[1] else 'from'} {key[2]}")
+        return text
+    key = (record["op"], instance.role)
+    text = cache.get(key)
+    if text is None:
+        text = cache[key] = _json(f"{key[0]} {key[1]}")
+    return text
 
 
-def _event_slice(tid, event, origin):
-    ts, dur = _span(event, origin)
-    return {"ph": "X", "name": event["name"], "cat": event.get("cat", "compute"), "pid": _PID, "tid": tid,
-            "ts": ts, "dur": dur, "args": {key: event.get(key) for key in ("iteration", "microbatch", "chunk", "layer")}}
+def _flow_points(records, origin):
+    """Per record: (point just after its start, point just before its end) where flows bind to its slice."""
+    starts = np.array([record["start"] for record in records], dtype=np.float64)
+    ends = np.array([_end(record) for record in records], dtype=np.float64)
+    inset = np.minimum(_INSIDE_US, (ends - starts) / 2)
+    return zip(np.round(starts + inset - origin, 3).tolist(), np.round(ends - inset - origin, 3).tolist())
 
 
-def _rank_slices(trace, first_tid, records, origin, tid_of):
-    """The rank's track names and slices, its tracks numbered from ``first_tid``; records each op's track
-    in ``tid_of``. Returns the next free thread id after the generator is exhausted."""
+def _op_slices(rank, tids, ops, origin, cache, arrows):
+    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks, each followed by the
+    ends of its flow arrows that bind to it (Arrows)."""
+    records = [record for _, record in ops]
+    texts = []
+    for tid, (instance, record), (ts, dur), (after_start, before_end) in zip(
+            tids, ops, _spans(records, origin), _flow_points(records, origin)):
+        texts.append(_SLICE.format(_op_name(rank, instance, record, cache), _json(instance.kind), _PID, tid, ts, dur,
+                                   _op_args(instance, record, cache)))
+        if instance.id in arrows.source:
+            texts += arrows.ends(rank, tid, instance, after_start, before_end)
+    return texts
+
+
+def _event_slices(tids, events, origin, cache):
+    """Slices (JSON text) of one rank's compute events on their tracks."""
+    for tid, event, (ts, dur) in zip(tids, events, _spans(events, origin)):
+        fields = (event["name"], event.get("cat", "compute"), event.get("iteration"), event.get("microbatch"),
+                  event.get("chunk"), event.get("layer"))
+        text = cache.get(fields)
+        if text is None:  # name, cat and args: the same for the same layer and microbatch on many ranks
+            text = cache[fields] = (f'{_json(fields[0])},"cat":{_json(fields[1])},"pid":{{}},"tid":{{}},"ts":{{!r}},'
+                                    f'"dur":{{!r}},"args":{{{{"iteration":{_json(fields[2])},'
+                                    f'"microbatch":{_json(fields[3])},"chunk":{_json(fields[4])},'
+                                    f'"layer":{_json(fields[5])}}}}}}}}}')
+        yield '{"ph":"X","name":' + text.format(_PID, tid, ts, dur)
+
+
+def _rank_slices(trace, first_tid, records, origin, arrows, cache):
+    """The rank's track names and slices (JSON text), its tracks numbered from ``first_tid``, and the next
+    free thread id."""
     rank, label, names = trace.rank, f"{coords_name(trace.coords)} (rank {trace.rank})", {}
-    tids = _tracks("compute", trace.events, first_tid, label, names)
-    slices = [_event_slice(tid, event, origin) for tid, event in zip(tids, trace.events)]
+    slices = list(_event_slices(_tracks("compute", trace.events, first_tid, label, names), trace.events, origin,
+                                cache))
     for family in ("collectives", "p2p"):
         ops = [(instance, record) for instance, record in records if (instance.kind == "p2p") == (family == "p2p")]
         tids = _tracks(family, [record for _, record in ops], max(names, default=first_tid - 1) + 1, label, names)
-        for tid, (instance, record) in zip(tids, ops):
-            tid_of[rank, instance.id] = tid
-            slices.append(_op_slice(rank, tid, instance, record, origin))
-    yield from _thread_names(names)
-    yield from slices
-    return max(names, default=first_tid - 1) + 1
+        slices += _op_slices(rank, tids, ops, origin, cache, arrows)
+    return [_encode(event) for event in _thread_names(names)] + slices, max(names, default=first_tid - 1) + 1
+
+
+class Arrows:
+    """Flow arrows: send -> recv, and in a collective its last arrival -> every other member. Each end is written
+    beside its own slice, so no table of all slices is kept; an arrow's id is its instance and target rank.
+    An arrow that would finish before it starts is left out (viewers drop it silently): only contradictory
+    traces leave one after causality.py, and the summary counts them."""
+
+    def __init__(self, instances, ranks):
+        self.span = max(ranks, default=0) + 1
+        self.source = {}  # instance id -> the rank its arrows start at
+        self.backwards = set()  # (instance id, target rank) of arrows left out
+        for instance in instances:
+            if instance.kind == "p2p" and len(instance.records) == 2:
+                self.source[instance.id] = instance.src
+            elif instance.kind != "p2p" and len(instance.records) > 1:
+                self.source[instance.id] = max(instance.records, key=lambda rank: instance.records[rank]["start"])
+            else:
+                continue
+            start = _inside(instance.records[self.source[instance.id]], at_end=False)
+            self.backwards.update((instance.id, target) for target, record in instance.records.items()
+                                  if target != self.source[instance.id] and _inside(record, at_end=True) < start)
+
+    def ends(self, rank, tid, instance, after_start, before_end):
+        """The flow events (JSON text) that bind to ``rank``'s slice of ``instance`` on track ``tid``."""
+        name = _json(instance.op)
+        if rank != self.source[instance.id]:
+            if (instance.id, rank) in self.backwards:
+                return []
+            return [_FLOW_END.format(_PID, tid, before_end, name, instance.kind, instance.id * self.span + rank)]
+        return [_FLOW_START.format(_PID, tid, after_start, name, instance.kind, instance.id * self.span + target)
+                for target in instance.records if target != rank and (instance.id, target) not in self.backwards]
 
 
 def _inside(record, at_end):
-    """A point inside the record's slice: just after its start or just before its end."""
+    """Where a flow binds to the record's slice: just after its start or just before its end (as _flow_points)."""
     inset = min(_INSIDE_US, (_end(record) - record["start"]) / 2)
-    return record["end"] - inset if at_end and record["end"] is not None else record["start"] + inset
-
-
-def _flow_pairs(instance):
-    """(from rank, to rank) arrows: send -> recv; last arrival -> every other member of a collective."""
-    if instance.kind == "p2p":
-        return [(instance.src, instance.dst)] if len(instance.records) == 2 else []
-    last = max(instance.records, key=lambda rank: instance.records[rank]["start"])
-    return [(last, rank) for rank in instance.records if rank != last]
-
-
-def _flows(instances, origin, tid_of):
-    """Flow start/finish pairs; one that would finish before it starts is left out (viewers drop it
-    silently): only contradictory traces leave one after causality.py, and the summary counts them."""
-    flow_id = 0
-    for instance in instances:
-        for source, target in _flow_pairs(instance):
-            start = round(_inside(instance.records[source], False) - origin, 3)
-            finish = round(_inside(instance.records[target], True) - origin, 3)
-            if finish < start:
-                continue
-            flow_id += 1
-            common = {"name": instance.op, "cat": f"flow.{instance.kind}", "id": flow_id}
-            yield {"ph": "s", "pid": _PID, "tid": tid_of[source, instance.id], "ts": start, **common}
-            yield {"ph": "f", "bp": "e", "pid": _PID, "tid": tid_of[target, instance.id], "ts": finish, **common}
+    return _end(record) - inset if at_end else record["start"] + inset
 
 
 def time_origin(merged):
@@ -148,21 +226,21 @@ def time_origin(merged):
 
 
 def chrome_trace_events(merged, origin):
-    """Every trace event, streamed: the run's process, each rank's tracks and slices in layout order,
-    then the flows."""
+    """Every trace event as JSON text, a list at a time: the run's one process, then each rank's tracks and
+    slices in layout order, each op slice followed by the ends of its flows."""
     records = {rank: [] for rank in merged.ranks}
     for instance in merged.instances:
         for rank, record in instance.records.items():
             records[rank].append((instance, record))
     layout = merged.layout
-    yield {"ph": "M", "name": "process_name", "pid": _PID, "args": {
-        "name": f"MegaScan run {merged.run_id} (DP{layout['dp']} x PP{layout['pp']} x TP{layout['tp']})"}}
-    tid_of, next_tid = {}, _FIRST_TID
+    yield [_encode({"ph": "M", "name": "process_name", "pid": _PID, "args": {
+        "name": f"MegaScan run {merged.run_id} (DP{layout['dp']} x PP{layout['pp']} x TP{layout['tp']})"}})]
+    arrows = Arrows(merged.instances, merged.ranks)
     layout_order = sorted(merged.ranks.values(), key=lambda t: (t.coords["dp"], t.coords["pp"], t.coords["tp"]))
+    cache, next_tid = {}, _FIRST_TID  # cache: JSON text of args parts that many records share
     for trace in layout_order:
-        next_tid = yield from _rank_slices(trace, next_tid, records[trace.rank], origin, tid_of)
-    yield from _flows(merged.instances, origin, tid_of)
-
+        texts, next_tid = _rank_slices(trace, next_tid, records[trace.rank], origin, arrows, cache)
+        yield texts
 
 def write_chrome_trace(merged, path):
     """Writes the merged trace to ``path`` (atomically) as {"traceEvents": [...], "otherData": {...}}."""
@@ -171,9 +249,9 @@ def write_chrome_trace(merged, path):
              "time_origin_us": origin, "unaligned": {str(r): why for r, why in merged.unaligned.items()},
              "problems": merged.problems}
     with replaced_on_success(path) as temporary, open(temporary, "w") as out:
-        out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
-        separator = ""
-        for event in chrome_trace_events(merged, origin):
-            out.write(separator + _encode(event))
+        out.write('{"displayTimeUnit":"ms","traceEvents":[')
+        separator = "\n"
+        for events in chrome_trace_events(merged, origin):
+            out.write(separator + ",\n".join(events))
             separator = ",\n"
         out.write('\n],"otherData":' + _encode(other) + "}\n")

@@ -8,15 +8,16 @@ a mistyped directory should cost seconds, not a merge. Flags and outputs: docs/m
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
+from megascan.aggregate.alignment_summary import describe_alignment
 from megascan.aggregate.atomic_file import replaced_on_success
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
+from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
 from megascan.detection import detect
 
 PROG = "tools/aggregate.py"
@@ -44,7 +45,44 @@ def build_parser():
                         help="find the slow GPU, slow link or hung rank and print the report")
     parser.add_argument("--report-json", metavar="PATH", help="also write the detection report as JSON (implies -d)")
     parser.add_argument("--sqlite", metavar="PATH", help="also write tables ranks, events, ops to an SQLite file")
+    parser.add_argument("--ranks", metavar="LIST", help="write only these ranks to the Chrome trace, e.g. 0-63,512 "
+                        "(detection and SQLite still cover every rank)")
+    parser.add_argument("--iterations", metavar="LIST", help="write only these traced iterations to the Chrome "
+                        "trace, e.g. 9-10")
     return parser
+
+
+# A timeline this large loads slowly in Perfetto (and not at all in chrome://tracing): say how to write a part.
+LARGE_TIMELINE_SLICES = 500_000
+
+
+def _selection(args):
+    """(ranks, iterations) asked for by --ranks/--iterations (None: all); UsageError on a bad list."""
+    chosen = []
+    for flag, text in (("--ranks", args.ranks), ("--iterations", args.iterations)):
+        try:
+            chosen.append(None if text is None else parse_numbers(text, flag))
+        except SubsetError as error:
+            raise UsageError(error.flag, str(error)) from None
+    return chosen
+
+
+def _timeline(merged, ranks, iterations):
+    """(the part of the trace the Chrome trace shows, what the summary says about it)."""
+    if ranks is None and iterations is None:
+        slices = sum(len(t.events) for t in merged.ranks.values()) + sum(len(i.records) for i in merged.instances)
+        hint = (f" ({slices:,} slices: Perfetto loads this slowly; --ranks/--iterations write a part)"
+                if slices > LARGE_TIMELINE_SLICES else "")
+        return merged, hint
+    try:
+        part = trace_subset(merged, ranks, iterations)
+    except SubsetError as error:
+        raise UsageError(error.flag, str(error)) from None
+    shown = describe(sorted(part.ranks), "rank") + f" of {len(merged.ranks)}"
+    if iterations is not None:
+        shown += ", " + describe(sorted(iterations & {i for t in merged.ranks.values() for i in t.iterations}),
+                                 "iteration")
+    return part, f" ({shown})"
 
 
 def _check_output(flag, path):
@@ -74,19 +112,6 @@ def _write_report(report, path):
         out.write("\n")
 
 
-def _residual_line(merged):
-    residuals = {rank: t.clock.residual_us for rank, t in merged.ranks.items() if t.clock.collectives}
-    if not residuals and len(merged.ranks) > 1:
-        return "alignment: no collective to align on, wall clocks used as they are"
-    if not residuals:
-        return f"alignment: only rank {merged.reference_rank} merged, so its clock is the reference (nothing to align)"
-    worst = max(residuals, key=residuals.get)
-    drift = max(abs(t.clock.drift_ppm) for t in merged.ranks.values())
-    return (f"alignment residual per rank: max {residuals[worst]:.2f} us (rank {worst}), median "
-            f"{statistics.median(residuals.values()):.2f} us; largest drift {drift:.1f} ppm; "
-            f"reference clock: rank {merged.reference_rank}")
-
-
 def _causality_line(check):
     if not check.backwards:
         return f"causality: none of {check.checked} transfers and collective finishes runs backwards"
@@ -111,7 +136,7 @@ def summary(merged, outputs, seconds):
              f"  {describe(windows, 'window')}; traced {describe(iterations, 'iteration')}",
              f"  instances matched: {len(merged.instances)} ({collectives} collective, "
              f"{len(merged.instances) - collectives} p2p); {incomplete} with members that never issued them",
-             f"  {_residual_line(merged)}",
+             f"  {describe_alignment(merged)}",
              f"  {_causality_line(merged.causality)}",
              f"  problems: {len(merged.problems)}{' (warnings above)' if merged.problems else ''}"]
     lines += [f"  {label}: {path}" for label, path in outputs]
@@ -127,14 +152,16 @@ def run(args):
     for flag, path in (("-o/--output", output), ("--report-json", args.report_json), ("--sqlite", args.sqlite)):
         if path:
             _check_output(flag, path)
+    ranks, iterations = _selection(args)
     try:
         merged = load_and_merge(args.directory)
     except TraceDirectoryError as error:
         raise UsageError("-b/--benchmark", str(error)) from None
     for problem in merged.problems:
         print(f"warning: {problem}", file=sys.stderr)
-    _write("-o/--output", output, write_chrome_trace, merged)
-    outputs = [("Chrome trace (open in ui.perfetto.dev or chrome://tracing)", output)]
+    timeline, shown = _timeline(merged, ranks, iterations)
+    _write("-o/--output", output, write_chrome_trace, timeline)
+    outputs = [(f"Chrome trace{shown} (open in ui.perfetto.dev or chrome://tracing)", output)]
     if args.sqlite:
         _write("--sqlite", args.sqlite, write_sqlite, merged)
         outputs.append(("SQLite", args.sqlite))

@@ -6,10 +6,12 @@ because the files that are there are exactly the evidence needed to find out wha
 """
 
 import itertools
-import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
+
+import orjson
 
 # The writer's file name (megascan.session.trace_file_name); matched here so that reading traces needs
 # neither torch nor megatron.
@@ -22,6 +24,8 @@ _OP_KEYS = {"window": ("op", "kind", "group", "seq", "peer", "start_us", "end_us
             "issued": ("op", "kind", "group", "seq", "peer", "host_us")}
 _OP_KINDS = ("collective", "send", "recv")
 _EVENT_KEYS = ("name", "start_us", "end_us")
+_OP_STRINGS = ("op", "kind", "group", "dtype", "phase")  # values repeated across records: stored once
+_EVENT_STRINGS = ("name", "cat")
 _LISTED = 8  # name at most this many ranks or files in one problem line
 
 
@@ -84,8 +88,8 @@ def coords_name(coords):
 
 def _parse_line(text):
     try:
-        record = json.loads(text)
-    except ValueError:
+        record = orjson.loads(text)  # 2.4 times the stdlib's speed: a thousand ranks' files are ~150 MB
+    except ValueError:  # orjson.JSONDecodeError is a ValueError
         return None
     return record if isinstance(record, dict) else None
 
@@ -107,18 +111,32 @@ def _add_issued(stalled, line):
     facts["ops"].extend(line["ops"])  # each issued line holds only what was issued since the one before
 
 
+def _share_strings(record, keys):
+    """The parser makes a new string for every value; a thousand ranks repeat "allreduce" a million times."""
+    for key in keys:
+        value = record.get(key)
+        if type(value) is str:
+            record[key] = sys.intern(value)
+
+
+def _event_fields(event):
+    """The values of _EVENT_KEYS (None where missing)."""
+    return event.get("name"), event.get("start_us"), event.get("end_us")
+
+
 def _unusable(kind, line):
     """Why a window or issued line cannot be used (a key or record the matching relies on is missing), or None."""
     missing = [key for key in _LINE_KEYS[kind] if key not in line]
     if missing:
         return f"lacks {', '.join(missing)}"
     op_keys = _OP_KEYS[kind]
+    required = set(op_keys)  # key checks as set operations: a thousand ranks' files hold a million records
     for op in line["ops"]:
-        if (not all(key in op for key in op_keys) or op["kind"] not in _OP_KINDS
+        if (not required <= op.keys() or op["kind"] not in _OP_KINDS
                 or (op["kind"] != "collective") == (op["peer"] is None)):
             return f"has an op record without {', '.join(op_keys)} or with an unknown kind/peer: {str(op)[:120]}"
     for event in line.get("events", ()):
-        if not all(event.get(key) is not None for key in _EVENT_KEYS):
+        if None in _event_fields(event):
             return f"has an event without {', '.join(_EVENT_KEYS)}: {str(event)[:120]}"
     return None
 
@@ -155,6 +173,13 @@ def _read_rank_file(path, problems):
     for line in issued:
         if line["window"] not in rank_file.windows:  # a window line supersedes the window's issued lines
             _add_issued(rank_file.stalled, line)
+    for window in (rank_file.windows, rank_file.stalled):
+        for number, line in window.items():
+            for op in line["ops"]:
+                op["window"] = number  # each op knows its window: clocks are per window
+                _share_strings(op, _OP_STRINGS)
+            for event in line.get("events", ()):
+                _share_strings(event, _EVENT_STRINGS)
     coords = metadata["coords"]
     named = dict(zip(("dp", "pp", "tp"), map(int, TRACE_FILE.match(name).groups())))
     if named != {axis: coords.get(axis) for axis in named}:

@@ -75,22 +75,24 @@ class MergedTrace:
         return self._ranks_by_coords.get((dp, pp, tp))
 
 
-def _global(clock, times):
-    """Local microseconds (None: unknown) -> global microseconds (None kept), all at once."""
+def _global(clock, times, window):
+    """Local microseconds of one window (None: unknown) -> global microseconds (None kept), all at once."""
     local = np.array([np.nan if t is None else t for t in times], dtype=np.float64)
-    return [None if math.isnan(t) else t for t in clock.to_global(local).tolist()]
+    return [None if math.isnan(t) else t for t in clock.to_global(local, window).tolist()]
 
 
 def _add_global_times(rank_file, clock):
     """Adds "start"/"end" to the rank's events and op records in place (records are shared with instances)."""
-    events = [e for line in rank_file.windows.values() for e in line["events"]]
-    timed = events + [op for line in rank_file.windows.values() for op in line["ops"]]
-    for item, start, end in zip(timed, _global(clock, [i["start_us"] for i in timed]),
-                                _global(clock, [i["end_us"] for i in timed])):
-        item["start"], item["end"] = start, end
-    issued = [op for line in rank_file.stalled.values() for op in line["ops"]]
-    for op, start in zip(issued, _global(clock, [op["host_us"] for op in issued])):
-        op["start"], op["end"], op["issued_only"] = start, None, True
+    events = []
+    for window, line in rank_file.windows.items():
+        timed = line["events"] + line["ops"]
+        for item, start, end in zip(timed, _global(clock, [i["start_us"] for i in timed], window),
+                                    _global(clock, [i["end_us"] for i in timed], window)):
+            item["start"], item["end"] = start, end
+        events += line["events"]
+    for window, line in rank_file.stalled.items():
+        for op, start in zip(line["ops"], _global(clock, [op["host_us"] for op in line["ops"]], window)):
+            op["start"], op["end"], op["issued_only"] = start, None, True
     return events
 
 
@@ -142,7 +144,8 @@ def load_and_merge(directory):
     groups = group_table(files)
     instances = [_instance(index, key, records, groups, files)
                  for index, (key, records) in enumerate(match_records(files, problems).items())]
-    alignment = align_ranks(instances, list(files), problems)
+    alignment = align_ranks(instances, list(files), problems,
+                            {rank: (f.metadata.get("host"), f.metadata.get("timer")) for rank, f in files.items()})
     for rank, reason in alignment.unaligned.items():
         problems.append(f"rank {rank} ({coords_name(files[rank].coords)}) not aligned, so not merged into "
                         f"the timeline: {reason}")

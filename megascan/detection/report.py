@@ -3,6 +3,16 @@
 from dataclasses import asdict, dataclass, field
 
 
+BLOCKED_LISTED = 16  # the text report lists this many blocked ranks; the JSON has all
+
+
+def _blocked_line(entry):
+    line = f"rank {entry['rank']}: in {entry['operation']}, waiting for rank(s) {entry['waits_for']}"
+    if entry["behind"] != entry["waits_for"]:
+        line += f", behind hung rank(s) {entry['behind']}" if entry["behind"] else ", in a cycle (deadlock)"
+    return line
+
+
 @dataclass
 class Suspect:
     rank: int
@@ -26,6 +36,7 @@ class Report:
     links: list
     alignment: dict  # rank -> residual_us, of every rank judged
     unjudged: list  # [{who, why}]: not judged, or judged on part of the run only
+    blocked: list = field(default_factory=list)  # [{rank, coords, operation, waits_for, behind}] in a hang
 
     def to_json(self):
         return asdict(self)
@@ -33,7 +44,10 @@ class Report:
     def to_text(self):
         lines = []
         judged = f" among the {len(self.alignment)} ranks judged" if self.unjudged else ""
-        if not self.suspects:
+        slow_links = any(link["slow"] for link in self.links)
+        if not self.suspects and slow_links:
+            lines.append(f"MegaScan detection: no slow or hung rank{judged}; a slow link (below).")
+        elif not self.suspects:
             lines.append(f"MegaScan detection: no suspect{judged} (no rank is slow, no link is slow, no rank hung).")
         else:
             lines.append(f"MegaScan detection: {len(self.suspects)} suspect(s){judged}, most likely first")
@@ -45,10 +59,18 @@ class Report:
             lines.append(f"{place}. {suspect.title()}: {label}, score {suspect.score:.2f}")
             lines += [f"     - {line}" for line in suspect.evidence]
         if self.victims:
-            lines.append("Victims (they lag only because they wait):")
+            lines.append("Victims (they waited for a suspect):")
             lines += [f"   rank {v['rank']}: {v['note']}" for v in self.victims]
+        if self.blocked:
+            lines.append(f"Blocked (not hung: each waits, directly or through others, for a hung rank): "
+                         f"{len(self.blocked)} rank(s)")
+            lines += [f"   {_blocked_line(entry)}" for entry in self.blocked[:BLOCKED_LISTED]]
+            if len(self.blocked) > BLOCKED_LISTED:
+                lines.append(f"   ... and {len(self.blocked) - BLOCKED_LISTED} more (all in --report-json)")
         slow = [link for link in self.links if link["slow"]]
         for link in slow:
             lines.append(f"Slow link {link['src']} -> {link['dst']}: {link['bandwidth_gbps']:.2f} GB/s, "
-                         f"median latency {link['median_latency_us']:.0f} us over {link['transfers']} transfers")
+                         f"median latency {link['median_latency_us']:.0f} us over {link['transfers']} transfers; "
+                         f"its transfers on the critical path took {link['critical_path_delay_us'] / 1e3:.1f} ms "
+                         f"longer than the same transfers on other links")
         return "\n".join(lines)

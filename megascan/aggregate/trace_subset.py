@@ -1,0 +1,59 @@
+"""A part of the merged trace, for a timeline that stays usable at scale (``--ranks``, ``--iterations``).
+
+A thousand ranks' full timeline is a few hundred megabytes of JSON, which Perfetto loads slowly and
+chrome://tracing not at all; the ranks and iterations being looked at usually fit in a few percent of
+it. The part keeps every instance's id, so its slices name the same instances as the full trace, the
+SQLite export and the detection report. Arrows are drawn among the ranks kept (a collective's from the
+last of them to arrive).
+"""
+
+import dataclasses
+import re
+
+from megascan.aggregate.loading import describe
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+class SubsetError(ValueError):
+    """A --ranks or --iterations value that cannot be used: ``flag`` and a one-line reason."""
+
+    def __init__(self, flag, reason):
+        super().__init__(reason)
+        self.flag = flag
+
+
+def parse_numbers(text, flag):
+    """'0-7,12' -> {0, ..., 7, 12}; raises SubsetError for ``flag`` on anything else."""
+    numbers = set()
+    for part in text.split(","):
+        match = _RANGE.match(part.strip())
+        if not match:
+            raise SubsetError(flag, f"'{text}' is not a list of numbers and ranges like 0-7,12")
+        low, high = int(match.group(1)), int(match.group(2) or match.group(1))
+        if high < low:
+            raise SubsetError(flag, f"'{text}': range {low}-{high} runs backwards")
+        numbers.update(range(low, high + 1))
+    return numbers
+
+
+def _kept(record, ranks, iterations, rank):
+    return rank in ranks and (iterations is None or record.get("iteration") in iterations)
+
+
+def trace_subset(merged, ranks=None, iterations=None):
+    """The MergedTrace restricted to ``ranks`` and ``iterations`` (None: all); SubsetError if that leaves nothing."""
+    if ranks is not None and not ranks & set(merged.ranks):
+        raise SubsetError("--ranks", f"none of them is in the merged trace ({describe(sorted(merged.ranks), 'rank')})")
+    ranks = set(merged.ranks) if ranks is None else ranks & set(merged.ranks)
+    known = {i for trace in merged.ranks.values() for i in trace.iterations}
+    if iterations is not None and not iterations & known:
+        raise SubsetError("--iterations", f"none of them was traced ({describe(sorted(known), 'iteration')} were)")
+    traces = {rank: dataclasses.replace(trace, events=[e for e in trace.events if _kept(e, ranks, iterations, rank)])
+              for rank, trace in merged.ranks.items() if rank in ranks}
+    instances = []
+    for instance in merged.instances:
+        records = {rank: record for rank, record in instance.records.items() if _kept(record, ranks, iterations, rank)}
+        if records:
+            instances.append(dataclasses.replace(instance, records=records))
+    return dataclasses.replace(merged, ranks=traces, instances=instances)
