@@ -390,16 +390,25 @@ def test_cli_detection_report_json(tmp_path, capsys):
     assert isinstance(json.loads((tmp_path / "report.json").read_text()), dict)
 
 
+def _rank_of_track(events):
+    """Thread id -> rank, from the track names ("DP0-PP1-TP0 (rank 4) compute")."""
+    return {e["tid"]: int(e["args"]["name"].split("(rank ")[1].split(")")[0])
+            for e in events if e["name"] == "thread_name"}
+
+
 def test_cli_writes_a_part_of_the_timeline(tmp_path, capsys):
     write_run(tmp_path / "trace")
     assert main(["-b", str(tmp_path / "trace"), "-o", str(tmp_path / "full.json")]) == 0
     assert main(["-b", str(tmp_path / "trace"), "-o", str(tmp_path / "part.json"), "--ranks", "0-1,5",
                  "--iterations", "9"]) == 0
     assert "Chrome trace (ranks 0, 1, 5 of 8, iteration 9)" in capsys.readouterr().out
-    full, part = ({e.get("args", {}).get("instance"): e for e in json.loads((tmp_path / name).read_text())["traceEvents"]
-                   if e["ph"] == "X" and e["cat"] != "compute" and e["pid"] == 5} for name in ("full.json", "part.json"))
-    events = json.loads((tmp_path / "part.json").read_text())["traceEvents"]
-    assert {e["pid"] for e in events} == {0, 1, 5}
+    traces = {name: json.loads((tmp_path / name).read_text())["traceEvents"] for name in ("full.json", "part.json")}
+    rank_of = {name: _rank_of_track(events) for name, events in traces.items()}
+    full, part = ({e.get("args", {}).get("instance"): e for e in traces[name]
+                   if e["ph"] == "X" and e["cat"] != "compute" and rank_of[name][e["tid"]] == 5}
+                  for name in ("full.json", "part.json"))
+    events = traces["part.json"]
+    assert set(rank_of["part.json"].values()) == {0, 1, 5}
     assert {e["args"]["iteration"] for e in events if e["ph"] == "X"} == {9}
     # The part's slices name the same instances as the full trace's (rank 5's ops of iteration 9).
     assert part and set(part) <= set(full) and all(full[i]["args"]["iteration"] == 9 for i in part)

@@ -23,11 +23,11 @@ shifts satisfy (the traces contradict themselves) leaves the clocks as fitted; w
 backwards is counted.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from megascan.clock_alignment import RankClock
 
 # A message takes at least this long; also above float64's resolution of microseconds since 1970
 # (0.25 us), so that a corrected transfer cannot run backwards once written.
@@ -42,8 +42,8 @@ class CausalityCheck:
     remaining: int = 0  # still backwards after the correction (contradictory traces)
 
 
-def _to_global(clock, local_us):
-    return (local_us - clock.offset_us) / clock.rate
+def _to_global(clock, record, key):
+    return float(clock.to_global(record[key], record.get("window")))  # a rank's clock is per trace window
 
 
 def _orderings(instances, clocks):
@@ -51,8 +51,8 @@ def _orderings(instances, clocks):
     per collective member; collectives as (members' issues, members' completions) for the T nodes."""
     transfers, collectives = [], []
     for instance in instances:
-        timed = {rank: (_to_global(clocks[rank], record["start_us"]) if record.get("start_us") is not None else None,
-                        _to_global(clocks[rank], record["end_us"]) if record.get("end_us") is not None else None)
+        timed = {rank: (_to_global(clocks[rank], record, "start_us") if record.get("start_us") is not None else None,
+                        _to_global(clocks[rank], record, "end_us") if record.get("end_us") is not None else None)
                  for rank, record in instance.records.items() if rank in clocks}
         if instance.kind == "p2p":
             send, recv = timed.get(instance.src, (None, None)), timed.get(instance.dst, (None, None))
@@ -155,9 +155,8 @@ def causal_clocks(instances, clocks, reference):
     corrected = dict(clocks)
     for rank, shift in zip(ranks, shifts[:len(ranks)].tolist()):
         if shift:
-            clock = clocks[rank]  # global + shift = (local - offset') / rate
-            corrected[rank] = RankClock(clock.rate, clock.offset_us - shift * clock.rate, clock.residual_us,
-                                        clock.collectives)
+            clock = clocks[rank]  # global + shift = (local - offset' - window offset) / rate
+            corrected[rank] = dataclasses.replace(clock, offset_us=clock.offset_us - shift * clock.rate)
             check.shifts_us[rank] = shift
     check.remaining = _count_backwards(*_orderings(instances, corrected))[1]
     return corrected, check
