@@ -12,7 +12,6 @@ RNG stream exactly where ``DotProductAttention`` does, so TP ranks drop differen
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,6 @@ class SDPAttention(MegatronModule):
             parallel_state.get_tensor_model_parallel_group()
         tp_size = tp_group.size()
         self.attn_mask_type = attn_mask_type
-        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.hidden_size_per_partition = divide(config.kv_channels * config.num_attention_heads, tp_size)
         # With query-key layer scaling DotProductAttention divides the scores by the layer number and
         # multiplies them back inside its fp32 softmax: the net scale is the plain one.

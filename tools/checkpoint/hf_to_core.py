@@ -11,7 +11,6 @@ import json
 import os
 import time
 
-import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from safetensors import safe_open
