@@ -107,11 +107,12 @@ def _backwards(merged):
     return found
 
 
-def _chrome_trace_of_a_run(tmp_path):
-    """The trace events of a synthetic run written, merged and written as a Chrome trace."""
+def _merged_run_and_its_chrome_trace(tmp_path):
+    """A synthetic run written, merged and written as a Chrome trace: (merged trace, its trace events)."""
     write_run(tmp_path)
-    write_chrome_trace(load_and_merge(tmp_path), tmp_path / "benchmark.json")
-    return json.loads((tmp_path / "benchmark.json").read_text())["traceEvents"]
+    merged = load_and_merge(tmp_path)
+    write_chrome_trace(merged, tmp_path / "benchmark.json")
+    return merged, json.loads((tmp_path / "benchmark.json").read_text())["traceEvents"]
 
 
 def _flow_pairs_in(path):
@@ -162,7 +163,7 @@ def test_chrome_trace_lists_ranks_in_layout_order_with_the_same_tracks_as_perfet
     # What the Perfetto UI (v52) does with the file, checked by hand (docs/megascan_aggregate.md): it
     # orders processes by activity, whatever their sort index, and the threads of a process by tid; it
     # lists the thread whose tid is the pid first, as the main thread, and moves tid 0's slices onto it.
-    events = _chrome_trace_of_a_run(tmp_path)
+    _, events = _merged_run_and_its_chrome_trace(tmp_path)
     assert [e["args"]["name"] for e in events if e["name"] == "process_name"] == [
         "MegaScan run 20261122-051355-3fa2c1 (DP2 x PP2 x TP2)"]
     pid = events[0]["pid"]
@@ -184,7 +185,7 @@ def test_chrome_trace_lists_ranks_in_layout_order_with_the_same_tracks_as_perfet
 
 
 def test_chrome_trace_has_separate_tracks_and_paired_flows(tmp_path):
-    events = _chrome_trace_of_a_run(tmp_path)
+    merged, events = _merged_run_and_its_chrome_trace(tmp_path)
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events if e["name"] == "thread_name"}
     slices = [e for e in events if e["ph"] == "X"]
     assert min(e["ts"] for e in slices) == 0.0
