@@ -75,9 +75,13 @@ class ScopeObserver(NoObserver):
         self.capture = None
         self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
+        self.started = None  # rank 0: the generation_started message
 
     # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
     def poll(self):
+        if self.started is not None:  # sent from the model loop: before any token, after the queue took it
+            self.client.send(self.started)
+            self.started = None
         return self.session.take_control(self.client) if self.session else None
 
     def apply(self, control):
@@ -191,7 +195,7 @@ class InferenceSession:
         self.limits = limits
         self.server = None            # the WebSocketServer, set by the caller: broadcasts perturbations
         self._lock = threading.Lock()
-        self._running = {}            # client -> generation id
+        self._running = {}            # client -> its running generation's Job
         self._control = {}            # client -> pending control for its running generation
         self._captures = {}           # client -> its set_capture spec (JSON)
         self._perturbations = []      # the active set (JSON), for every client
@@ -214,7 +218,12 @@ class InferenceSession:
         with self._lock:
             self._captures.pop(client, None)
             if client in self._running:
-                self._control.setdefault(client, {})["cancel"] = True
+                self._cancel_job(client)
+
+    def _cancel_job(self, client):
+        """Under the lock: stop ``client``'s generation at its next step."""
+        self._running[client].cancelled = True
+        self._control.setdefault(client, {})["cancel"] = True
 
     def take_control(self, client):
         """Rank 0, between steps: the pending control of ``client``'s generation (and new perturbations)."""
@@ -236,12 +245,19 @@ class InferenceSession:
         payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed, topk),
                    "scope": {"id": gen_id, "capture": capture}}
         observer = ScopeObserver(payload["scope"], self.model, self.args, client, self)
+        observer.started = {"type": "generation_started", "id": gen_id, "random_seed": seed, "prompt_tokens": [
+            [{"id": token, "text": self.encoder.token_text(token)} for token in tokens] for tokens in prompts]}
         job = Job(payload=payload, observer=observer, source="websocket")
-        self.service.submit(job, refuse_if_busy=True)
-        with self._lock:
-            self._running[client] = gen_id
-        client.send({"type": "generation_started", "id": gen_id, "random_seed": seed, "prompt_tokens": [
-            [{"id": token, "text": self.encoder.token_text(token)} for token in tokens] for tokens in prompts]})
+        with self._lock:  # before the model loop can finish it
+            if client in self._running:
+                raise ProtocolError("busy", "your generation is running; wait for its generation_done")
+            self._running[client] = job
+        try:
+            self.service.submit(job, refuse_if_busy=True)
+        except ProtocolError:
+            with self._lock:
+                self._running.pop(client, None)
+            raise
         threading.Thread(target=self._finish, args=(client, job), daemon=True).start()
 
     def _finish(self, client, job):
@@ -259,9 +275,10 @@ class InferenceSession:
 
     def _cancel(self, client, message):
         with self._lock:
-            if self._running.get(client) != message["id"]:
+            job = self._running.get(client)
+            if job is None or job.observer.id != message["id"]:
                 raise ProtocolError("bad_field", f"no running generation of yours has id {message['id']!r}", "id")
-            self._control.setdefault(client, {})["cancel"] = True
+            self._cancel_job(client)
 
     def _set_capture(self, client, message):
         spec = capture_spec(message["capture"])

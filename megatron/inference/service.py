@@ -28,6 +28,7 @@ class Job:
     observer: object = None
     source: str = "rest"
     done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False   # set by its requester: it ends at its next step and holds the model no longer
     result: object = None
     error: BaseException = None
 
@@ -48,18 +49,17 @@ class GenerationService:
         self.on_control = on_control or (lambda payload: None)
         self._jobs = queue.Queue()
         self._lock = threading.Lock()
-        self._pending = 0
-        self._websocket_running = False
+        self._unfinished = []   # submitted generations, in order, until they have run
 
     def submit(self, job, refuse_if_busy):
         """Queue ``job``; ProtocolError("busy") when ``refuse_if_busy`` and a generation is queued or
-        running, or whenever a WebSocket generation holds the model."""
+        running, or whenever a WebSocket generation holds the model (cancelled ones do not count)."""
         with self._lock:
-            if self._websocket_running or (refuse_if_busy and self._pending):
+            holding = [other for other in self._unfinished if not other.cancelled]
+            if any(other.source == "websocket" for other in holding) or (refuse_if_busy and holding):
                 raise ProtocolError("busy", "a generation is running; wait for its generation_done")
-            self._pending += 1
-            self._websocket_running = job.source == "websocket"
-        self._jobs.put(job)
+            self._unfinished.append(job)
+            self._jobs.put(job)
 
     def run(self, job):
         """Submit a REST job and wait for its result (REST requests take turns)."""
@@ -105,6 +105,5 @@ class GenerationService:
             finally:
                 if job and job.source != "control":
                     with self._lock:
-                        self._pending -= 1
-                        self._websocket_running = False
+                        self._unfinished.remove(job)
                     job.done.set()
