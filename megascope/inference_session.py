@@ -8,6 +8,7 @@ See docs/megascope_protocol.md.
 """
 
 import contextlib
+import importlib.util
 import logging
 import threading
 
@@ -32,17 +33,16 @@ def capture_spec(obj, field="capture"):
     """The library's CaptureSpec of a JSON object (None for None); errors name ``capture.<field>``."""
     if obj is None:
         return None
+    from megascope.capture import CaptureSpec
     try:
-        from megascope.capture import CaptureSpec
-    except ImportError:
-        raise ProtocolError("bad_field", "this server was built without megascope's capture library; "
-                            "send capture null", field) from None
-    try:
-        return CaptureSpec.from_json(obj)
+        spec = CaptureSpec.from_json(obj)
     except ProtocolError as error:
         inner = error.field if error.field and error.field.startswith(field) else \
             f"{field}.{error.field}" if error.field else field
         raise ProtocolError(error.code, error.message, inner) from None
+    if spec.pca is not None and importlib.util.find_spec("megascope.pca") is None:
+        raise ProtocolError("bad_field", "this build has no PCA (megascope.pca); send pca null", f"{field}.pca")
+    return spec
 
 
 def perturbations(objs):
@@ -106,9 +106,11 @@ class ScopeObserver(NoObserver):
         self.capture = None
         if self.client is None:
             return
+        lens = {}  # prompt index -> its layers' top-k at the last position read
         for record in records:
             if record.hook == "logit_lens":
-                self._send_logit_lens(step, record)
+                if record.token_start + record.values.shape[0] == step.end:
+                    lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
                 continue
             if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
                     and str(record.reduction) == "none":
@@ -118,6 +120,9 @@ class ScopeObserver(NoObserver):
                  "layer": record.layer, "prompt_index": record.prompt_index,
                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                  "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+        for prompt_index, layers in sorted(lens.items()):
+            self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
+                              "prompt_index": prompt_index, "layers": layers})
         self._send_tokens(step)
 
     def _send_tokens(self, step):
@@ -130,17 +135,11 @@ class ScopeObserver(NoObserver):
                       for token, prob in zip(chosen.topk_ids[row].tolist(), chosen.topk_probs[row].tolist())]}
             for row in step.sampled]})
 
-    def _send_logit_lens(self, step, record):
-        """The lens of the last position this step read, one message per prompt and layer set."""
-        if record.token_start + record.values.shape[0] != step.end:
-            return
+    def _lens_layer(self, record):
+        """One layer's logit lens at the last position of ``record`` ([tokens, k, 2] of token id, probability)."""
         text = self.session.encoder.token_text
-        pairs = record.values[-1]  # [k, 2]: (token id, probability)
-        self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
-                          "prompt_index": record.prompt_index,
-                          "layers": [{"layer": record.layer, "topk": [
-                              {"token_id": int(token), "text": text(int(token)), "prob": float(prob)}
-                              for token, prob in pairs.tolist()]}]})
+        return {"layer": record.layer, "topk": [{"token_id": int(token), "text": text(int(token)), "prob": float(prob)}
+                                                for token, prob in record.values[-1].tolist()]}
 
     def finish(self, generation):
         """Rank 0, after the last step: the PCA (when asked) and generation_done."""
