@@ -267,7 +267,7 @@ class InferenceSession:
         if "perturbations" in unapplied:  # came after the generation's last step
             self.service.control({"perturbations": unapplied["perturbations"]})
         if job.error is not None:
-            log.error("generation %s failed: %s", job.observer.id, job.error)
+            log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
             client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
             return
         job.observer.finish(job.result)
