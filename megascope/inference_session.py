@@ -76,6 +76,7 @@ class ScopeObserver(NoObserver):
         self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
+        self.last_position = {}  # prompt index -> the position of its last token, once it has finished
 
     # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
     def poll(self):
@@ -108,6 +109,8 @@ class ScopeObserver(NoObserver):
             return
         lens = {}  # prompt index -> its layers' top-k at the last position read
         for record in records:
+            if record.token_start > self.last_position.get(record.prompt_index, record.token_start):
+                continue  # a finished prompt's row: padding, not text
             if record.hook == "logit_lens":
                 if record.token_start + record.values.shape[0] == step.end:
                     lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
@@ -120,6 +123,7 @@ class ScopeObserver(NoObserver):
                  "layer": record.layer, "prompt_index": record.prompt_index,
                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                  "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+        self.last_position.update({row: step.end for row in step.finished})
         for prompt_index, layers in sorted(lens.items()):
             self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
                               "prompt_index": prompt_index, "layers": layers})
