@@ -273,6 +273,10 @@ class InferenceSession:
         if job.error is not None:
             log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
             client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
+            prompts = len(job.payload["prompts"])
+            client.send({"type": "generation_done", "id": job.observer.id, "texts": [""] * prompts,
+                         "tokens": [[] for _ in range(prompts)], "finish_reason": ["error"] * prompts,
+                         "dropped_frames": client.dropped_total - job.observer.dropped_at_start})
             return
         job.observer.finish(job.result)
 
