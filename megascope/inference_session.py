@@ -8,6 +8,7 @@ See docs/megascope_protocol.md.
 """
 
 import contextlib
+import importlib.util
 import logging
 import threading
 
@@ -32,17 +33,16 @@ def capture_spec(obj, field="capture"):
     """The library's CaptureSpec of a JSON object (None for None); errors name ``capture.<field>``."""
     if obj is None:
         return None
+    from megascope.capture import CaptureSpec
     try:
-        from megascope.capture import CaptureSpec
-    except ImportError:
-        raise ProtocolError("bad_field", "this server was built without megascope's capture library; "
-                            "send capture null", field) from None
-    try:
-        return CaptureSpec.from_json(obj)
+        spec = CaptureSpec.from_json(obj)
     except ProtocolError as error:
         inner = error.field if error.field and error.field.startswith(field) else \
             f"{field}.{error.field}" if error.field else field
         raise ProtocolError(error.code, error.message, inner) from None
+    if spec.pca is not None and importlib.util.find_spec("megascope.pca") is None:
+        raise ProtocolError("bad_field", "this build has no PCA (megascope.pca); send pca null", f"{field}.pca")
+    return spec
 
 
 def perturbations(objs):
@@ -76,6 +76,7 @@ class ScopeObserver(NoObserver):
         self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
+        self.last_position = {}  # prompt index -> the position of its last token, once it has finished
 
     # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
     def poll(self):
@@ -106,9 +107,13 @@ class ScopeObserver(NoObserver):
         self.capture = None
         if self.client is None:
             return
+        lens = {}  # prompt index -> its layers' top-k at the last position read
         for record in records:
+            if record.token_start > self.last_position.get(record.prompt_index, record.token_start):
+                continue  # a finished prompt's row: padding, not text
             if record.hook == "logit_lens":
-                self._send_logit_lens(step, record)
+                if record.token_start + record.values.shape[0] == step.end:
+                    lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
                 continue
             if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
                     and str(record.reduction) == "none":
@@ -118,6 +123,10 @@ class ScopeObserver(NoObserver):
                  "layer": record.layer, "prompt_index": record.prompt_index,
                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                  "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+        self.last_position.update({row: step.end for row in step.finished})
+        for prompt_index, layers in sorted(lens.items()):
+            self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
+                              "prompt_index": prompt_index, "layers": layers})
         self._send_tokens(step)
 
     def _send_tokens(self, step):
@@ -130,17 +139,11 @@ class ScopeObserver(NoObserver):
                       for token, prob in zip(chosen.topk_ids[row].tolist(), chosen.topk_probs[row].tolist())]}
             for row in step.sampled]})
 
-    def _send_logit_lens(self, step, record):
-        """The lens of the last position this step read, one message per prompt and layer set."""
-        if record.token_start + record.values.shape[0] != step.end:
-            return
+    def _lens_layer(self, record):
+        """One layer's logit lens at the last position of ``record`` ([tokens, k, 2] of token id, probability)."""
         text = self.session.encoder.token_text
-        pairs = record.values[-1]  # [k, 2]: (token id, probability)
-        self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
-                          "prompt_index": record.prompt_index,
-                          "layers": [{"layer": record.layer, "topk": [
-                              {"token_id": int(token), "text": text(int(token)), "prob": float(prob)}
-                              for token, prob in pairs.tolist()]}]})
+        return {"layer": record.layer, "topk": [{"token_id": int(token), "text": text(int(token)), "prob": float(prob)}
+                                                for token, prob in record.values[-1].tolist()]}
 
     def finish(self, generation):
         """Rank 0, after the last step: the PCA (when asked) and generation_done."""
@@ -268,8 +271,12 @@ class InferenceSession:
         if "perturbations" in unapplied:  # came after the generation's last step
             self.service.control({"perturbations": unapplied["perturbations"]})
         if job.error is not None:
-            log.error("generation %s failed: %s", job.observer.id, job.error)
+            log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
             client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
+            prompts = len(job.payload["prompts"])
+            client.send({"type": "generation_done", "id": job.observer.id, "texts": [""] * prompts,
+                         "tokens": [[] for _ in range(prompts)], "finish_reason": ["error"] * prompts,
+                         "dropped_frames": client.dropped_total - job.observer.dropped_at_start})
             return
         job.observer.finish(job.result)
 

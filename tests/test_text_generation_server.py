@@ -4,9 +4,11 @@ server goes on; a token guards a non-local WebSocket host; a client leaving mid-
 
 import json
 
+import numpy as np
 import pytest
 import websockets
 
+from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
 
 TOKEN = "test-token"
@@ -18,7 +20,7 @@ SAMPLED = {"prompts": PROMPTS, "tokens_to_generate": 6, "temperature": 0.8, "top
 def server():
     # The WebSocket on 127.0.0.2: not a local host name, so it needs the token.
     started = GenerationServer(1, TINY_SERVER + ["--ws-host", "127.0.0.2", "--ws-token", TOKEN,
-                                                 "--ws-max-message-bytes", "4096"])
+                                                 "--ws-max-message-bytes", "4096", "--ws-send-queue-frames", "8"])
     yield started
     started.stop()
 
@@ -125,21 +127,117 @@ def test_disconnect_mid_generation_cancels_and_the_next_client_is_served(server)
     assert websocket_tokens(server, SAMPLED)[-1]["finish_reason"] == ["length", "length"]
 
 
-def test_pipeline_of_two_serves_the_same_tokens(server):
+CAPTURE = {"hooks": ["attn.pattern", "resid_post"], "layers": [1, 3], "logit_lens": True, "topk": 3}
+
+
+def captured(server, token=None):
+    """Messages and decoded data frames of SAMPLED with CAPTURE."""
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            await send(ws, {"type": "generate", "id": "c", "capture": CAPTURE, **SAMPLED})
+            replies = []
+            while True:
+                replies.append(await receive(ws))
+                if isinstance(replies[-1], dict) and replies[-1]["type"] in ("generation_done", "error"):
+                    return replies
+    replies = run(client())
+    frames = [decode_data_frame(reply) for reply in replies if isinstance(reply, bytes)]
+    return [reply for reply in replies if isinstance(reply, dict)], frames
+
+
+def positions_read(messages):
+    """Per prompt: how many steps read its tokens. The prefill reads the shortest prompt's length, then
+    one position per step; a prompt's last token is read only if a longer one goes on."""
+    lengths = [len(prompt) + len(generated) for prompt, generated in
+               zip(messages[0]["prompt_tokens"], messages[-1]["tokens"])]
+    shortest = min(len(prompt) for prompt in messages[0]["prompt_tokens"])
+    return [1 + len(range(shortest, min(length, max(lengths) - 1))) for length in lengths], lengths
+
+
+def expected_frames(messages):
+    return sum(positions_read(messages)[0]) * 2 * 2  # x hooks x layers
+
+
+def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
+    messages, frames = captured(server, TOKEN)
+    done = messages[-1]
+    assert done["type"] == "generation_done", done
+    expected = expected_frames(messages)
+    reported = sum(message["frames"] for message in messages if message["type"] == "dropped")
+    assert len(frames) + done["dropped_frames"] == expected and reported == done["dropped_frames"]
+    for header, values in frames:
+        assert header["layer"] in (1, 2) and header["hook"] == f"blocks.{header['layer']}.{header['hook'].split('.', 2)[2]}"
+        start, end = header["tokens"]
+        if header["hook"].endswith("attn.pattern"):
+            assert values.shape == (end - start, 4, end) and np.allclose(values.sum(-1), 1, atol=1e-2)
+    lens = [message for message in messages if message["type"] == "logit_lens"]
+    assert lens and all([layer["layer"] for layer in message["layers"]] == [1, 2] and
+                        len(message["layers"][0]["topk"]) == 3 for message in lens)
+
+
+NOISE = {"id": "n", "kind": "storage", "target": "mlp.fc1", "noise": "gaussian", "scale": 0.5, "seed": 3}
+GREEDY = {"prompts": PROMPTS, "tokens_to_generate": 8, "top_k": 1}
+
+
+def perturbed(server, token=None):
+    """Greedy tokens before, with and after NOISE (and the reply to a bad perturbation)."""
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            tokens = []
+            for perturbations in (None, [NOISE], []):
+                if perturbations is not None:
+                    await send(ws, {"type": "perturb", "perturbations": perturbations})
+                    assert (await receive(ws)) == {"type": "perturbations", "active": perturbations}
+                tokens.append((await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"])
+            await send(ws, {"type": "perturb", "perturbations": [{**NOISE, "noise": "loud"}]})
+            return tokens, await receive(ws)
+    return run(client())
+
+
+def test_perturbations_change_the_tokens_and_removing_them_restores_them(server):
+    (before, noisy, after), refusal = perturbed(server, TOKEN)
+    assert noisy != before and after == before
+    assert (refusal["code"], refusal["field"]) == ("bad_field", "perturbations.0.noise")
+
+
+def test_pca_of_a_hook_over_every_token(server):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
+            return (await generation(ws, {"type": "generate", "capture": capture, **GREEDY}))[0]
+    messages = run(client())
+    pca = next(message for message in messages if message["type"] == "pca")
+    done = messages[-1]
+    started = messages[0]
+    steps, lengths = positions_read(messages)
+    shortest = min(len(prompt) for prompt in started["prompt_tokens"])
+    assert len(pca["points"]) == sum(shortest - 1 + n for n in steps)  # every token read, no padding
+    assert all(point["token_index"] < lengths[point["prompt_index"]] for point in pca["points"])
+    assert done["type"] == "generation_done"
+    assert 0 < sum(pca["explained_variance"]) <= 1 + 1e-6 and pca["explained_variance"][0] >= pca["explained_variance"][1]
+
+
+def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
     reference = server.put(SAMPLED)[1]["tokens"]
     pipeline = GenerationServer(2, TINY_SERVER + ["--pipeline-model-parallel-size", "2"])
     try:
         assert pipeline.put(SAMPLED)[1]["tokens"] == reference
-        messages = websocket_tokens_local(pipeline)
-        assert messages[-1]["finish_reason"] == ["length", "length"]
+        one_stage = {(h["hook"], h["prompt_index"], h["step"]): v for h, v in captured(server, TOKEN)[1]}
+        messages, frames = captured(pipeline)
+        assert messages[-1]["dropped_frames"] == 0 and len(frames) == expected_frames(messages)
+        # layer 1 lives on the first stage, layer 2 on the second: both reach rank 0, equal to one stage's
+        compared = 0
+        for header, values in frames:
+            key = (header["hook"], header["prompt_index"], header["step"])
+            if key in one_stage:
+                np.testing.assert_allclose(values, one_stage[key], atol=2e-3)
+                compared += 1
+        assert compared > 0 and {h["layer"] for h, _ in frames} == {1, 2}
+        assert perturbed(pipeline)[0] == perturbed(server, TOKEN)[0]  # the same noise at both layouts
     finally:
         pipeline.stop()
-
-
-def websocket_tokens_local(server):
-    async def client():
-        async with websocket(server) as ws:
-            await send(ws, {"type": "hello", "protocol": 1})
-            assert (await receive(ws))["type"] == "welcome"
-            return (await generation(ws, {"type": "generate", **SAMPLED}))[0]
-    return run(client())
