@@ -21,6 +21,7 @@ from megascope.reductions import REDUCTION_FORMS
 from megascope.training_control import TrainingControl
 from megascope.wire import encode_data_frame
 from megascope.ws_server import WebSocketServer
+from megatron.training.errors import UserError
 from megatron.training.training_log import print_rank_0
 
 HEARTBEAT_SECONDS = 1.0
@@ -53,7 +54,11 @@ class TrainingSession:
         self.control = TrainingControl(start_paused=args.training_ws_wait) if self.is_server else None
         self.server = None
         if self.is_server:
-            self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
+            try:
+                self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
+            except UserError as error:  # the server names the inference flags; this run has the training ones
+                raise UserError(str(error).replace("--ws-host/--ws-port", "--training-ws-host/--training-ws-port")) \
+                    from None
             print_rank_0(f"MegaScope training server on ws://{args.training_ws_host}:{self.server.port}"
                          + (" (waiting for a client to resume or step)" if args.training_ws_wait else ""))
 
