@@ -10,11 +10,10 @@ per iteration and nothing else.
 """
 
 import torch
-from megatron.core import parallel_state
 
 from megascope.capture import Capture, CaptureSpec
 from megascope.errors import ProtocolError
-from megascope.hooks import HOOK_NAMES, MODEL_HOOKS
+from megascope.hooks import full_hook_name, full_hook_names
 from megascope.layer_statistics import LayerStatistics
 from megascope.perturbations import NOISE_TYPES, Perturbation, PerturbationSet
 from megascope.reductions import REDUCTION_FORMS
@@ -25,14 +24,6 @@ from megatron.training.errors import UserError
 from megatron.training.training_log import print_rank_0
 
 HEARTBEAT_SECONDS = 1.0
-
-
-def _full_hook_names():
-    return [name if name in MODEL_HOOKS else f"blocks.{{l}}.{name}" for name in HOOK_NAMES]
-
-
-def _hook_label(hook, layer):
-    return hook if layer is None else f"blocks.{layer}.{hook}"
 
 
 def _prefixed(error, prefix):
@@ -70,7 +61,7 @@ class TrainingSession:
                           "num_query_groups": args.num_query_groups or args.num_attention_heads,
                           "vocab_size": args.padded_vocab_size, "tp": args.tensor_model_parallel_size,
                           "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
-                "hooks": _full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
+                "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
 
     def on_message(self, client, message):
         kind = message["type"]
@@ -170,7 +161,7 @@ class TrainingSession:
 
     def _send_records(self, records):
         for record in records:
-            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": _hook_label(record.hook, record.layer),
+            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": full_hook_name(record.hook, record.layer),
                                   "layer": record.layer, "prompt_index": self.spec.sample,
                                   "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                                   "dims": list(record.dims), "reduction": record.reduction}, record.values)
