@@ -55,6 +55,8 @@ class TrainingJob:
         self.send({"type": "hello", "protocol": 1})
         welcome = self.receive()
         assert welcome["type"] == "welcome" and welcome["mode"] == "training", welcome
+        # NullTokenizer: --vocab-size ids plus its end-of-document token, not the 128 padded rows
+        assert welcome["model"]["vocab_size"] == 101 and welcome["model"]["num_layers"] == 4, welcome
         return welcome
 
     def send(self, message):
