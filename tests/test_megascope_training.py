@@ -4,6 +4,7 @@ checkpoint and exits 0, the chosen sample's capture and perturbations arrive bet
 requests get error frames, per-layer norms are equal at TP2xPP2 and TP1 with one server, and a run with
 the port and no client trains to the end."""
 
+import argparse
 import json
 import subprocess
 import threading
@@ -11,7 +12,10 @@ import threading
 import pytest
 from websockets.sync.client import connect
 
-from launch import REPO, child_env, free_port, kill_process_tree, run_script, torchrun, torchrun_command
+from launch import REPO, child_env, free_port, kill_process_tree, torchrun, torchrun_command
+
+from megascope import PLUGIN
+from megatron.training.errors import ArgumentError
 
 TRAIN = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
@@ -160,8 +164,7 @@ def test_with_the_port_and_no_client_training_runs_to_the_end():
     assert "iteration        3/       3" in result.stdout
 
 
-def test_a_port_outside_the_tcp_range_is_one_line():
-    result = run_script("pretrain_gpt.py", TRAIN + ["--train-iters", "3", "--training-ws-port", "70000"])
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
-        "pretrain_gpt.py: error: --training-ws-port 70000: a TCP port is 1 .. 65535"]
+def test_flag_off_installs_nothing_and_a_port_outside_the_tcp_range_is_refused():
+    assert not PLUGIN.is_enabled(argparse.Namespace(training_ws_port=None))
+    with pytest.raises(ArgumentError, match="--training-ws-port 70000: a TCP port is 1 .. 65535"):
+        PLUGIN.validate_args(argparse.Namespace(training_ws_port=70000))
