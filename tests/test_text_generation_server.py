@@ -68,7 +68,8 @@ def test_rest_and_websocket_give_the_same_tokens(server):
                                          ({"prompts": ["x"], "tokens_to_generate": 500}, "tokens_to_generate"),
                                          ({"prompts": ["x"], "stop_tokens": [10 ** 6]}, "stop_tokens"),
                                          ({"prompts": ["x"], "chat": True}, "chat"),
-                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur")])
+                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur"),
+                                         ({"prompts": ["x " * 80]}, "prompts")])  # longer than the model reads
 def test_rest_refuses_each_bad_field_by_name(server, body, field):
     status, answer = server.put(body)
     assert status == 400 and answer["field"] == field, answer
