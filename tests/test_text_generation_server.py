@@ -242,3 +242,22 @@ def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
         assert perturbed(pipeline)[0] == perturbed(server, TOKEN)[0]  # the same noise at both layouts
     finally:
         pipeline.stop()
+
+
+def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            await send(ws, {"type": "generate", "id": "late", "prompts": ["Once"], "tokens_to_generate": 60})
+            assert (await receive(ws))["type"] == "generation_started"
+            first = await receive(ws)
+            await send(ws, {"type": "set_capture", "capture": {"hooks": ["resid_post"], "layers": [0, 1],
+                                                               "reduction": "norm"}})
+            replies = []
+            while not (isinstance(reply := await receive(ws), dict) and reply["type"] == "generation_done"):
+                replies.append(reply)
+            return first, replies
+    first, replies = run(client())
+    frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
+    assert {"type": "capture_set", "capture": {"hooks": ["resid_post"], "layers": [0, 1], "reduction": "norm"}} in replies
+    assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
