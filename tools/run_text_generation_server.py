@@ -89,8 +89,8 @@ def _apply_control(args, model, payload):
 @exit_on_user_error
 def main():
     args, model, tokenizer = setup_for_generation(sys.argv[1:], "run_text_generation_server.py",
-                                                  pretrain_gpt.model_provider, extra_args_provider=_server_args)
-    _check(args)
+                                                  pretrain_gpt.model_provider, extra_args_provider=_server_args,
+                                                  check_args=_check)
     max_length = args.max_position_embeddings or args.seq_length
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     engine = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, max_length, device)
