@@ -10,6 +10,7 @@ import websockets
 
 from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
+from launch import run_script
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]
@@ -261,3 +262,10 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
     frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
     assert {"type": "capture_set", "capture": {"hooks": ["resid_post"], "layers": [0, 1], "reduction": "norm"}} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
+
+
+def test_a_bad_flag_is_one_line_and_exit_code_2():
+    result = run_script("tools/run_text_generation_server.py", TINY_SERVER + ["--ws-port", "99999"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        "run_text_generation_server.py: error: --ws-port 99999: a port is 0..65535"
