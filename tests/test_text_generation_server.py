@@ -10,6 +10,7 @@ import websockets
 
 from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
+from launch import run_script
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]
@@ -68,7 +69,8 @@ def test_rest_and_websocket_give_the_same_tokens(server):
                                          ({"prompts": ["x"], "tokens_to_generate": 500}, "tokens_to_generate"),
                                          ({"prompts": ["x"], "stop_tokens": [10 ** 6]}, "stop_tokens"),
                                          ({"prompts": ["x"], "chat": True}, "chat"),
-                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur")])
+                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur"),
+                                         ({"prompts": ["x " * 80]}, "prompts")])  # longer than the model reads
 def test_rest_refuses_each_bad_field_by_name(server, body, field):
     status, answer = server.put(body)
     assert status == 400 and answer["field"] == field, answer
@@ -241,3 +243,29 @@ def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
         assert perturbed(pipeline)[0] == perturbed(server, TOKEN)[0]  # the same noise at both layouts
     finally:
         pipeline.stop()
+
+
+def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            await send(ws, {"type": "generate", "id": "late", "prompts": ["Once"], "tokens_to_generate": 60})
+            assert (await receive(ws))["type"] == "generation_started"
+            first = await receive(ws)
+            await send(ws, {"type": "set_capture", "capture": {"hooks": ["resid_post"], "layers": [0, 1],
+                                                               "reduction": "norm"}})
+            replies = []
+            while not (isinstance(reply := await receive(ws), dict) and reply["type"] == "generation_done"):
+                replies.append(reply)
+            return first, replies
+    first, replies = run(client())
+    frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
+    assert {"type": "capture_set", "capture": {"hooks": ["resid_post"], "layers": [0, 1], "reduction": "norm"}} in replies
+    assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
+
+
+def test_a_bad_flag_is_one_line_and_exit_code_2():
+    result = run_script("tools/run_text_generation_server.py", TINY_SERVER + ["--ws-port", "99999"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        "run_text_generation_server.py: error: --ws-port 99999: a port is 0..65535"
