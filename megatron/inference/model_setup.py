@@ -9,6 +9,7 @@ import functools
 
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import load_checkpoint, use_checkpoint_vocab_padding
+from megatron.training.errors import ArgumentError
 from megatron.training.initialize import initialize_megatron
 from megatron.training.model_setup import build_model
 from megatron.training.tokenizer import build_tokenizer
@@ -18,10 +19,20 @@ from megatron.training.validate_args import validate_args
 _TRAINING_ONLY = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
 
 
+def _no_cuda_graphs(args):
+    """Training's default CUDA graphs stay off here: megatron-core replays layer graphs during generation
+    only with flash decoding and static batching, which this engine does not use."""
+    if args.enable_cuda_graph or args.cuda_graph_impl not in (None, "none"):
+        raise ArgumentError("CUDA graphs (--enable-cuda-graph / --cuda-graph-impl) are not supported by the "
+                            "generation engine; drop the flag")
+    args.cuda_graph_impl = "none"
+
+
 def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, check_args=None):
     """(args, model chunks in eval mode, tokenizer) from a command line of Megatron flags; ``check_args``
     (args) refuses a tool's own bad flags before anything is loaded."""
     args = parse_args(_TRAINING_ONLY + list(argv), prog, extra_args_provider=extra_args_provider)
+    _no_cuda_graphs(args)
     validate_args(args)
     if check_args is not None:
         check_args(args)
