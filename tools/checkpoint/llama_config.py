@@ -45,8 +45,9 @@ class LlamaShape:
                  "--kv-channels", self.kv_channels, "--max-position-embeddings", self.max_position_embeddings,
                  "--position-embedding-type", "rope", "--rotary-base", self.rotary_base,
                  "--normalization", "RMSNorm", "--norm-epsilon", self.norm_epsilon, "--swiglu",
-                 "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                 "--attention-dropout", 0, "--hidden-dropout", 0]
+                 "--disable-bias-linear", "--attention-dropout", 0, "--hidden-dropout", 0]
+        if not self.tied_embeddings:
+            flags.append("--untie-embeddings-and-output-weights")
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if self.rope_scaling_factor is not None:
