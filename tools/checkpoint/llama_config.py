@@ -55,15 +55,16 @@ class LlamaShape:
         return [str(flag) for flag in flags]
 
 
-def read_config(hf_dir):
+def read_config(hf_dir, flag="--load-dir"):
+    """The config.json of ``hf_dir``, the directory given by ``flag`` (named in errors)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"--load-dir {hf_dir}: no config.json (a Hugging Face model directory holds one)")
+        raise UserError(f"{flag} {hf_dir}: no config.json (a Hugging Face model directory holds one)")
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as error:
-        raise UserError(f"--load-dir {hf_dir}: config.json is not readable JSON ({error})") from None
+        raise UserError(f"{flag} {hf_dir}: config.json is not readable JSON ({error})") from None
 
 
 def _rope(config, path):
