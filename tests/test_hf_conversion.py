@@ -153,7 +153,9 @@ def test_conversion_reports_each_shard_and_prints_and_writes_the_flags_to_load_i
     total_gb = sum(t.numel() * 4 for t in original.values()) / 1e9
     assert math.isclose(sum(float(gb) for _, _, _, _, gb, _ in reported), total_gb, abs_tol=1e-3 * len(shards))
     written = (root / "megatron" / "model_args.txt").read_text().strip()
-    assert converted.stdout.strip().splitlines()[-1] == written  # printed as written
+    lines = converted.stdout.splitlines()
+    announced = next(i for i, line in enumerate(lines) if "load it with these pretrain_gpt.py flags" in line)
+    assert lines[announced + 1] == written  # printed as written
     for flag in ("--num-layers 4", "--swiglu", "--num-query-groups 2", "--rotary-base 500000",
                  "--use-rope-scaling --rope-scaling-factor 8.0", "--untie-embeddings-and-output-weights",
                  "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
