@@ -169,7 +169,7 @@ def convert(options):
         iteration_dir = checkpoint_dir(work_dir, ITERATION)
         os.makedirs(iteration_dir)
         dist_checkpointing.save(state, iteration_dir, sharded_strategy=StreamingTorchDistSaveStrategy(produce))
-        print(f"read, converted and saved the tensors in {time.time() - start:.1f} s", flush=True)
+        print(f"read, converted and saved the tensors in {time.time() - start:.2f} s", flush=True)
         with open(os.path.join(work_dir, TRACKER_FILENAME), "w") as tracker:
             tracker.write(str(ITERATION))
         hf_side = os.path.join(work_dir, "hf")
