@@ -65,6 +65,10 @@ class ShardReader:
             self.unread[self.location[name]].add(name)
         self.progress = {path: {"tensors": 0, "bytes": 0, "start": None} for path in files}
 
+    def position(self, name):
+        """Where ``name`` lies: reading in this order reads the shards one after the other."""
+        return self.files.index(self.location[name]), name
+
     def read(self, name):
         path = self.location[name]
         progress = self.progress[path]
@@ -112,7 +116,8 @@ def tensor_recipes(shape, templates):
 
 
 def streamed_state(templates, recipes, reader, dtype):
-    """The state dict to save (placeholders for the tensors) and the producer of their data."""
+    """The state dict to save (placeholders for the tensors), the producer of their data, and the
+    order to produce them in (that of their first Hugging Face tensor)."""
     def without_data(value):  # extra state objects stay as they are
         if isinstance(value, list):
             return [placeholder(part, dtype) for part in value]
@@ -130,7 +135,10 @@ def streamed_state(templates, recipes, reader, dtype):
                             f"config.json describes ({tuple(template.local_shape)} for {key})")
         return tensor
 
-    return state, produce
+    def order(key, offset):
+        return min(reader.position(name) for name in recipes[(key, offset)][1])
+
+    return state, produce, order
 
 
 def flags_for_users(shape, options, padded_vocab_size, dtype_flags):
@@ -159,7 +167,7 @@ def convert(options):
         recipes = tensor_recipes(shape, templates)
         reader = ShardReader(files, [name for _, names, _, _ in recipes.values() for name in names],
                              args.params_dtype)
-        state, produce = streamed_state(templates, recipes, reader, args.params_dtype)
+        state, produce, order = streamed_state(templates, recipes, reader, args.params_dtype)
         state.update(iteration=ITERATION, consumed_train_samples=0, checkpoint_version=3.0,
                      layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "virtual_pipeline_model_parallel_size": None},
@@ -168,7 +176,7 @@ def convert(options):
         start = time.time()
         iteration_dir = checkpoint_dir(work_dir, ITERATION)
         os.makedirs(iteration_dir)
-        dist_checkpointing.save(state, iteration_dir, sharded_strategy=StreamingTorchDistSaveStrategy(produce))
+        dist_checkpointing.save(state, iteration_dir, sharded_strategy=StreamingTorchDistSaveStrategy(produce, order))
         print(f"read, converted and saved the tensors in {time.time() - start:.2f} s", flush=True)
         with open(os.path.join(work_dir, TRACKER_FILENAME), "w") as tracker:
             tracker.write(str(ITERATION))
