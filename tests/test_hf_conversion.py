@@ -305,6 +305,13 @@ def test_missing_or_unsupported_input_is_one_line_naming_it(llama3, tmp_path):
         f"convert.py: error: --load-dir {lacking_a_shard}: {last_shard.name} is listed in the index but missing"]
     assert _convert_error(root / "hf", out, "--tokenizer-model", tmp_path / "absent") == [
         f"convert.py: error: --tokenizer-model {tmp_path / 'absent'} does not exist"]
+    misdescribed = tmp_path / "misdescribed"
+    shutil.copytree(root / "hf", misdescribed)
+    config = json.loads((misdescribed / "config.json").read_text())
+    (misdescribed / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    assert _convert_error(misdescribed, out) == [
+        "convert.py: error: model.layers.0.mlp.gate_proj.weight has shape (96, 64), which does not fit the model "
+        "config.json describes (decoder.layers.mlp.linear_fc1.weight (128, 64))"]
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))

@@ -10,6 +10,7 @@ import json
 import os
 import time
 
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from safetensors import safe_open
@@ -53,10 +54,12 @@ class ShardReader:
 
     def __init__(self, files, needed, dtype):
         self.dtype, self.files = dtype, files
-        self.location = {}
+        self.location, self.shapes = {}, {}
         for path in files:
             with safe_open(path, framework="pt") as shard:
-                self.location.update(dict.fromkeys(shard.keys(), path))
+                for name in shard.keys():
+                    self.location[name] = path
+                    self.shapes[name] = tuple(shard.get_slice(name).get_shape())
         missing = [name for name in needed if name not in self.location]
         if missing:
             raise UserError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
@@ -115,6 +118,25 @@ def tensor_recipes(shape, templates):
     return recipes
 
 
+def _made(recipe, tensors):
+    template, _, combine, pad = recipe
+    tensor = combine(*tensors)
+    return llama_tensors.padded_rows(tensor, template.local_shape[0]) if pad else tensor
+
+
+def _check_shapes(recipe, shapes):
+    """The tensor ``recipe`` makes from tensors of the checkpoint's shapes (on the meta device) has
+    the model's shape, or a UserError names the first Hugging Face tensor."""
+    template, names, _, _ = recipe
+    try:
+        made = tuple(_made(recipe, [torch.empty(shapes[name], device="meta") for name in names]).shape)
+    except RuntimeError:  # parts that do not fit together
+        made = None
+    if made != tuple(template.local_shape):
+        raise UserError(f"{names[0]} has shape {shapes[names[0]]}, which does not fit the model config.json "
+                        f"describes ({template.key} {tuple(template.local_shape)})")
+
+
 def streamed_state(templates, recipes, reader, dtype):
     """The state dict to save (placeholders for the tensors), the producer of their data, and the
     order to produce them in (that of their first Hugging Face tensor)."""
@@ -124,16 +146,12 @@ def streamed_state(templates, recipes, reader, dtype):
         return placeholder(value, dtype) if isinstance(value, ShardedTensor) else value
 
     state = {key: without_data(value) for key, value in templates.items()}
+    for recipe in recipes.values():  # before anything is written: the writer would bury the message
+        _check_shapes(recipe, reader.shapes)
 
     def produce(key, offset):
-        template, names, combine, pad = recipes[(key, offset)]
-        tensor = combine(*(reader.read(name) for name in names))
-        if pad:
-            tensor = llama_tensors.padded_rows(tensor, template.local_shape[0])
-        if tuple(tensor.shape) != tuple(template.local_shape):
-            raise UserError(f"{names[0]}: shape {tuple(tensor.shape)} does not fit the model "
-                            f"config.json describes ({tuple(template.local_shape)} for {key})")
-        return tensor
+        recipe = recipes[(key, offset)]
+        return _made(recipe, [reader.read(name) for name in recipe[1]])
 
     def order(key, offset):
         return min(reader.position(name) for name in recipes[(key, offset)][1])
