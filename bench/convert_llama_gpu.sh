@@ -8,8 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 results=${1:?usage: bash bench/convert_llama_gpu.sh RESULTS_DIR [--cpu-tiny]}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} PYTHONUNBUFFERED=1
 if [[ "${2:-}" == "--cpu-tiny" ]]; then
-    exec timeout 540 python bench/convert_llama_gpu.py "$results" --shapes tiny --device cpu
+    exec timeout 540 python3 bench/convert_llama_gpu.py "$results" --shapes tiny --device cpu
 fi
-exec timeout 570 python bench/convert_llama_gpu.py "$results" --shapes tiny,llama3-8b-4l --device cuda
+exec timeout 570 python3 bench/convert_llama_gpu.py "$results" --shapes tiny,llama3-8b-4l --device cuda
