@@ -1,16 +1,24 @@
 """Hugging Face Llama-family checkpoints converted to ours compute the same logits and greedy tokens
-at TP1 and TP2 x PP2, convert back to the same tensors, and bad input is one line with exit code 2."""
+at the converted layout and at others, fine-tune from where the HF model is, convert back to the same
+tensors, and bad input is one line with exit code 2."""
 
 import glob
 import json
+import math
+import re
+import shutil
 
 import pytest
 import torch
+from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
-from launch import assert_succeeded, run_script, torchrun
+from megatron.training.tokenizer.build import vocab_size_with_padding
+
+from launch import assert_succeeded, lm_losses, run_script, torchrun
 
 VOCAB = 300  # not a multiple of 128: the converted embedding carries padding rows
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -20,6 +28,11 @@ LLAMA3 = (LlamaConfig, LlamaForCausalLM, dict(
     rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}))
 QWEN2 = (Qwen2Config, Qwen2ForCausalLM, dict(max_position_embeddings=256, rope_theta=1000000.0))
+# As small Qwen2 models are: the output layer is the embedding.
+QWEN2_TIED = (Qwen2Config, Qwen2ForCausalLM, dict(max_position_embeddings=256, rope_theta=1000000.0,
+                                                   tie_word_embeddings=True))
+MISTRAL = (MistralConfig, MistralForCausalLM, dict(max_position_embeddings=256, rope_theta=1000000.0,
+                                                   sliding_window=None))
 PROMPTS = [[5, 17, 3, 250, 42, 42, 7, 99], [280, 1, 64, 64, 12, 9, 150, 31], [8, 8, 8, 200, 77, 3, 14, 299]]
 NEW_TOKENS = 16
 CONVERT = "tools/checkpoint/convert.py"
@@ -36,7 +49,7 @@ def _word_tokenizer(directory):
 def _hf_model(directory, family, seed):
     config_class, model_class, extra = family
     torch.manual_seed(seed)
-    model = model_class(config_class(**SHAPE, **extra, architectures=[model_class.__name__])).eval()
+    model = model_class(config_class(**{**SHAPE, **extra}, architectures=[model_class.__name__])).eval()
     model.save_pretrained(directory, max_shard_size="100KB")  # several shards
     assert len(glob.glob(str(directory / "*.safetensors"))) > 2
     _word_tokenizer(directory)
@@ -87,25 +100,70 @@ def _tensors(directory):
     return tensors
 
 
+def _convert_back(checkpoint, out, *flags):
+    result = run_script(CONVERT, ["--model-type", "GPT", "--loader", "core", "--saver", "hf", "--load-dir", checkpoint,
+                                  "--save-dir", out, "--max-shard-size-gb", "0.0001", *flags])
+    assert_succeeded(result)
+    return _tensors(out)
+
+
+def _assert_round_trip(root, model, tmp_path):
+    """Our checkpoint converted back holds the original tensors, and transformers computes the same with it."""
+    original, back = _tensors(root / "hf"), _convert_back(root / "megatron", tmp_path / "back")
+    assert sorted(back) == sorted(original)
+    for name, tensor in original.items():
+        assert torch.equal(back[name], tensor), name
+    reloaded = type(model).from_pretrained(tmp_path / "back").eval()
+    prompts = torch.tensor(PROMPTS)
+    with torch.no_grad():
+        assert torch.equal(reloaded(prompts).logits, model(prompts).logits)
+
+
+def _converted(tmp_path_factory, name, family, seed, *flags):
+    root = tmp_path_factory.mktemp(name)
+    model = _hf_model(root / "hf", family, seed)
+    return root, model, _convert(root / "hf", root / "megatron", *flags)
+
+
 @pytest.fixture(scope="module")
 def llama3(tmp_path_factory):
     """A tiny Llama 3 (rope scaling, GQA, untied) converted for TP2 x PP2."""
-    root = tmp_path_factory.mktemp("llama3")
-    model = _hf_model(root / "hf", LLAMA3, seed=0)
-    converted = _convert(root / "hf", root / "megatron", "--target-tensor-parallel-size", "2",
-                         "--target-pipeline-parallel-size", "2")
-    return root, model, converted
+    return _converted(tmp_path_factory, "llama3", LLAMA3, 0, "--target-tensor-parallel-size", "2",
+                      "--target-pipeline-parallel-size", "2")
 
 
-def test_conversion_reports_each_shard_and_the_flags_to_load_it(llama3):
+@pytest.fixture(scope="module")
+def qwen2_tied(tmp_path_factory):
+    """A tiny Qwen2 with tied embeddings and QKV bias, converted for TP2."""
+    return _converted(tmp_path_factory, "qwen2_tied", QWEN2_TIED, 2, "--target-tensor-parallel-size", "2")
+
+
+_SHARD_LINE = re.compile(r"shard (\d+)/(\d+) (\S+): (\d+) tensors, ([0-9.]+) GB in [0-9.]+ s \(([0-9.]+) GB/s\)")
+
+
+def test_conversion_reports_each_shard_and_prints_and_writes_the_flags_to_load_it(llama3):
     root, _, converted = llama3
-    shards = len(glob.glob(str(root / "hf" / "*.safetensors")))
-    assert sum(line.startswith("shard ") and "GB/s" in line for line in converted.stdout.splitlines()) == shards
-    flags = (root / "megatron" / "model_args.txt").read_text()
+    shards = sorted(path.name for path in (root / "hf").glob("*.safetensors"))
+    reported = [_SHARD_LINE.fullmatch(line).groups() for line in converted.stdout.splitlines()
+                if line.startswith("shard ")]
+    assert sorted(name for _, _, name, _, _, _ in reported) == shards
+    assert {(int(total)) for _, total, _, _, _, _ in reported} == {len(shards)}
+    original = _tensors(root / "hf")
+    assert sum(int(count) for _, _, _, count, _, _ in reported) == len(original)
+    total_gb = sum(t.numel() * 4 for t in original.values()) / 1e9
+    assert math.isclose(sum(float(gb) for _, _, _, _, gb, _ in reported), total_gb, abs_tol=1e-3 * len(shards))
+    written = (root / "megatron" / "model_args.txt").read_text().strip()
+    lines = converted.stdout.splitlines()
+    announced = next(i for i, line in enumerate(lines) if "load it with these pretrain_gpt.py flags" in line)
+    assert lines[announced + 1] == written  # printed as written
     for flag in ("--num-layers 4", "--swiglu", "--num-query-groups 2", "--rotary-base 500000",
-                 "--use-rope-scaling --rope-scaling-factor 8.0", "--tokenizer-type HuggingFaceTokenizer"):
-        assert flag in flags
+                 "--use-rope-scaling --rope-scaling-factor 8.0", "--untie-embeddings-and-output-weights",
+                 "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2",
+                 f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {root / 'megatron' / 'hf'}",
+                 f"--load {root / 'megatron'}"):
+        assert flag in written
     assert (root / "megatron" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    assert (root / "megatron" / "iter_0000001" / "metadata.json").is_file()  # megatron-core's checkpoint
 
 
 def test_llama3_at_tp2_pp2_computes_the_hf_logits_and_greedy_tokens(llama3, tmp_path):
@@ -115,40 +173,105 @@ def test_llama3_at_tp2_pp2_computes_the_hf_logits_and_greedy_tokens(llama3, tmp_
 
 def test_converting_back_gives_the_original_tensors_and_a_model_transformers_loads(llama3, tmp_path):
     root, model, _ = llama3
-    result = run_script(CONVERT, ["--model-type", "GPT", "--loader", "core", "--saver", "hf",
-                                  "--load-dir", root / "megatron", "--save-dir", tmp_path / "back",
-                                  "--max-shard-size-gb", "0.0001"])
+    _assert_round_trip(root, model, tmp_path)
+
+
+def _periodic_dataset(directory, period, documents):
+    """An indexed dataset whose every training sample is the same tokens: documents of whole periods
+    of one random pattern, so that a sample (starting at a multiple of the sequence length, a
+    multiple of the period) is the pattern repeated whatever the shuffle."""
+    pattern = torch.randint(3, VOCAB, (period,), generator=torch.Generator().manual_seed(5))
+    prefix = str(directory / "periodic")
+    builder = IndexedDatasetBuilder(prefix + ".bin")
+    for number in range(documents):
+        document = pattern.repeat(4 + number % 3)
+        builder.add_document(document, [document.numel()])
+    builder.finalize(prefix + ".idx")
+    return prefix, pattern
+
+
+def test_finetuning_the_converted_checkpoint_at_tp1_pp1_starts_at_the_hf_loss(llama3, tmp_path):
+    """pretrain_gpt.py with exactly the written flags and --finetune loads the TP2 x PP2 checkpoint at
+    TP1 x PP1: its first loss is the HF model's loss on the same tokens, and training goes on."""
+    root, model, _ = llama3
+    seq_length, period = 32, 8
+    prefix, pattern = _periodic_dataset(tmp_path, period, documents=40)
+    model_args = (root / "megatron" / "model_args.txt").read_text().split()
+    layout = model_args.index("--tensor-model-parallel-size")
+    model_args[layout + 1] = "1"
+    model_args[model_args.index("--pipeline-model-parallel-size") + 1] = "1"
+    result = torchrun(1, "pretrain_gpt.py", model_args + [
+        "--finetune", "--data-path", prefix, "--split", "100,0,0", "--seq-length", seq_length,
+        "--micro-batch-size", 2, "--global-batch-size", 2, "--train-iters", 4, "--lr", "1e-3",
+        "--lr-decay-style", "constant", "--eval-iters", 0, "--log-interval", 1, "--device", "cpu",
+        "--use-cpu-initialization", "--num-workers", 0])
     assert_succeeded(result)
-    original, back = _tensors(root / "hf"), _tensors(tmp_path / "back")
-    assert sorted(back) == sorted(original)
-    for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
-    reloaded = LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
-    prompts = torch.tensor(PROMPTS)
+    losses = lm_losses(result.stdout)
+    assert sorted(losses) == [1, 2, 3, 4] and all(math.isfinite(loss) for loss in losses.values())
+    tokens = pattern.repeat(seq_length // period + 1)[: seq_length + 1]
     with torch.no_grad():
-        assert torch.equal(reloaded(prompts).logits, model(prompts).logits)
+        hf_logits = model(tokens[None, :-1]).logits[0]
+    # Training's softmax also spans the rows that pad the vocabulary (zeros: logit 0), which
+    # raise the loss by at most log(padded / vocabulary); generation never picks them.
+    padded = vocab_size_with_padding(VOCAB, 128, 2)  # as converted, for TP2
+    padding_logits = torch.zeros(seq_length, padded - VOCAB)
+    hf_loss = torch.nn.functional.cross_entropy(torch.cat([hf_logits, padding_logits], 1), tokens[1:]).item()
+    assert math.isclose(losses[1], hf_loss, rel_tol=1e-5), (losses, hf_loss)
+    unpadded_loss = torch.nn.functional.cross_entropy(hf_logits, tokens[1:]).item()
+    assert unpadded_loss < losses[1] < unpadded_loss + math.log(padded / VOCAB)
+    assert losses[4] < losses[1]
 
 
-def test_qwen2_with_qkv_bias_at_tp1_computes_the_hf_logits_and_greedy_tokens(tmp_path):
+def test_qwen2_with_qkv_bias_converted_at_tp1_computes_the_hf_logits_at_tp2(tmp_path):
     model = _hf_model(tmp_path / "hf", QWEN2, seed=1)
     _convert(tmp_path / "hf", tmp_path / "megatron")
     assert "--add-qkv-bias" in (tmp_path / "megatron" / "model_args.txt").read_text()
+    _assert_same_numbers(_ours(tmp_path, tmp_path / "megatron", 2, 2, 1), *_hf_reference(model))
+
+
+def test_qwen2_with_tied_embeddings_stays_tied_and_converted_at_tp2_computes_the_hf_logits_at_pp2(
+        qwen2_tied, tmp_path):
+    root, model, _ = qwen2_tied
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    written = (root / "megatron" / "model_args.txt").read_text()
+    assert "--untie-embeddings-and-output-weights" not in written and "--add-qkv-bias" in written
+    _assert_same_numbers(_ours(tmp_path, root / "megatron", 2, 1, 2), *_hf_reference(model))
+
+
+def test_qwen2_with_tied_embeddings_converts_back_tied(qwen2_tied, tmp_path):
+    root, model, _ = qwen2_tied
+    assert "lm_head.weight" not in _tensors(root / "hf")  # transformers saves a tied model so
+    _assert_round_trip(root, model, tmp_path)
+
+
+def test_mistral_at_tp1_computes_the_hf_logits_and_greedy_tokens(tmp_path):
+    model = _hf_model(tmp_path / "hf", MISTRAL, seed=3)
+    _convert(tmp_path / "hf", tmp_path / "megatron")
     _assert_same_numbers(_ours(tmp_path, tmp_path / "megatron", 1, 1, 1), *_hf_reference(model))
 
 
-def _convert_error(hf_dir, out, *flags):
-    result = run_script(CONVERT, ["--model-type", "GPT", "--loader", "llama_mistral", "--saver", "core",
+def test_bf16_conversion_holds_the_bf16_cast_of_every_tensor(llama3, tmp_path):
+    root, _, _ = llama3
+    _convert(root / "hf", tmp_path / "bf16", "--bf16")
+    assert " --bf16 " in (tmp_path / "bf16" / "model_args.txt").read_text()
+    back = _convert_back(tmp_path / "bf16", tmp_path / "back", "--bf16")
+    for name, tensor in _tensors(root / "hf").items():
+        assert back[name].dtype == torch.bfloat16 and torch.equal(back[name], tensor.to(torch.bfloat16)), name
+
+
+def _convert_error(hf_dir, out, *flags, loader="llama_mistral", saver="core"):
+    result = run_script(CONVERT, ["--model-type", "GPT", "--loader", loader, "--saver", saver,
                                   "--load-dir", hf_dir, "--save-dir", out, *flags])
     assert result.returncode == 2, result.stderr[-3000:]
     return result.stderr.strip().splitlines()
 
 
-def test_bad_input_is_one_line_and_an_existing_checkpoint_is_never_overwritten(llama3, tmp_path):
+def test_bad_layouts_and_an_existing_checkpoint_are_one_line_and_nothing_is_overwritten(llama3, tmp_path):
     root, _, _ = llama3
-    assert _convert_error(tmp_path / "absent", tmp_path / "out") == [
-        f"convert.py: error: --load-dir {tmp_path / 'absent'} is not a directory"]
     assert _convert_error(root / "hf", tmp_path / "out", "--target-tensor-parallel-size", "3") == [
         "convert.py: error: --target-tensor-parallel-size 3 does not divide the model's 4 attention heads"]
+    assert _convert_error(root / "hf", tmp_path / "out", "--target-tensor-parallel-size", "4") == [
+        "convert.py: error: --target-tensor-parallel-size 4 does not divide the model's 2 query groups"]
     assert _convert_error(root / "hf", tmp_path / "out", "--target-pipeline-parallel-size", "3") == [
         "convert.py: error: --target-pipeline-parallel-size 3 does not divide the model's 4 layers"]
     before = sorted(p.name for p in (root / "megatron").iterdir())
@@ -156,10 +279,45 @@ def test_bad_input_is_one_line_and_an_existing_checkpoint_is_never_overwritten(l
         f"convert.py: error: --save-dir {root / 'megatron'} already holds a checkpoint; it is never "
         f"overwritten: name a new directory"]
     assert sorted(p.name for p in (root / "megatron").iterdir()) == before
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_or_unsupported_input_is_one_line_naming_it(llama3, tmp_path):
+    root, _, _ = llama3
+    out = tmp_path / "out"
+    assert _convert_error(tmp_path / "absent", out) == [
+        f"convert.py: error: --load-dir {tmp_path / 'absent'} is not a directory"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _convert_error(empty, out) == [
+        f"convert.py: error: --load-dir {empty}: no config.json (a Hugging Face model directory holds one)"]
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    shutil.copy(root / "hf" / "config.json", no_weights)
+    assert _convert_error(no_weights, out) == [
+        f"convert.py: error: --load-dir {no_weights}: no model.safetensors nor model.safetensors.index.json "
+        f"(only safetensors checkpoints are read)"]
+    lacking_a_shard = tmp_path / "lacking_a_shard"
+    shutil.copytree(root / "hf", lacking_a_shard)
+    last_shard = sorted(lacking_a_shard.glob("model-*.safetensors"))[-1]
+    last_shard.unlink()
+    assert _convert_error(lacking_a_shard, out) == [
+        f"convert.py: error: --load-dir {lacking_a_shard}: {last_shard.name} is listed in the index but missing"]
+    assert _convert_error(root / "hf", out, "--tokenizer-model", tmp_path / "absent") == [
+        f"convert.py: error: --tokenizer-model {tmp_path / 'absent'} does not exist"]
+    misdescribed = tmp_path / "misdescribed"
+    shutil.copytree(root / "hf", misdescribed)
+    config = json.loads((misdescribed / "config.json").read_text())
+    (misdescribed / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
+    assert _convert_error(misdescribed, out) == [
+        "convert.py: error: model.layers.0.mlp.gate_proj.weight has shape (96, 64), which does not fit the model "
+        "config.json describes (decoder.layers.mlp.linear_fc1.weight (128, 64))"]
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    assert _convert_error(gpt2, tmp_path / "out") == [
+    assert _convert_error(gpt2, out) == [
         f"convert.py: error: {gpt2 / 'config.json'}: architecture GPT2LMHeadModel is not supported; "
         f"supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"]
-    assert not (tmp_path / "out").exists()
+    assert _convert_error(empty, out, loader="core", saver="hf") == [
+        f"convert.py: error: --load-dir {empty} holds no checkpoint (no latest_checkpointed_iteration.txt)"]
+    assert not out.exists()

@@ -14,6 +14,7 @@ import sys
 
 import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 from megatron.training.errors import ArgumentError, exit_on_user_error
+from host_memory import peak_line, resident_bytes
 
 CONVERSIONS = {("llama_mistral", "core"): "hf_to_core", ("core", "hf"): "core_to_hf"}
 
@@ -66,7 +67,11 @@ def parse(argv):
 def main():
     options = parse(sys.argv[1:])
     conversion = importlib.import_module(CONVERSIONS[(options.loader, options.saver)])
+    before = resident_bytes("VmRSS")  # the imports: what any run of ours holds
     conversion.convert(options)
+    line = peak_line(before)
+    if line:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

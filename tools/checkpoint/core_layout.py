@@ -73,11 +73,3 @@ def joined(parts):
     return ShardedTensor(first.key, None, first.dtype, (rows, *first.local_shape[1:]), first.global_shape,
                          first.global_offset, tuple(fragments), first.replica_id, first.prepend_axis_num)
 
-
-def with_data(template, tensor):
-    """``template``'s place in the checkpoint, holding ``tensor`` (same shape)."""
-    if tuple(tensor.shape) != tuple(template.local_shape):
-        raise ValueError(f"{template.key}: got shape {tuple(tensor.shape)}, the model has {template.local_shape}")
-    return ShardedTensor(template.key, tensor, tensor.dtype, template.local_shape, template.global_shape,
-                         template.global_offset, template.axis_fragmentations, template.replica_id,
-                         template.prepend_axis_num)

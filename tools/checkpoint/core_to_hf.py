@@ -91,18 +91,20 @@ def _checkpoint_directory(load_dir):
 
 
 def convert(options):
-    hf_dir = options.hf_config_dir or os.path.join(options.load_dir, "hf")
-    config = read_config(hf_dir)
-    shape = llama_shape(config, os.path.join(hf_dir, "config.json"))
     directory = _checkpoint_directory(options.load_dir)
+    hf_dir = options.hf_config_dir or os.path.join(options.load_dir, "hf")
+    config = read_config(hf_dir, "--hf-config-dir")
+    shape = llama_shape(config, os.path.join(hf_dir, "config.json"))
     padded_vocab_size = dist_checkpointing.load_common_state_dict(directory)["padded_vocab_size"]
     dtype = torch.bfloat16 if options.bf16 else torch.float16 if options.fp16 else torch.float32
     with written_atomically(options.save_dir) as work_dir:
         core_layout.start_single_process_group()
         templates = core_layout.checkpoint_templates(core_layout.model_args(shape.megatron_flags(), padded_vocab_size, []))
         writer = ShardWriter(work_dir, options.max_shard_size_gb * 1e9)
-        ends = _load(templates, ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight",
-                                 "output_layer.weight"], directory, dtype)
+        end_keys = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
+        if not shape.tied_embeddings:
+            end_keys.append("output_layer.weight")
+        ends = _load(templates, end_keys, directory, dtype)
         writer.add(llama_tensors.HF_EMBEDDING, ends["embedding.word_embeddings.weight"][: shape.vocab_size])
         for layer in range(shape.num_layers):
             keys = core_layout.layer_keys(templates, layer)

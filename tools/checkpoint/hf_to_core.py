@@ -1,16 +1,16 @@
 """Hugging Face Llama-family checkpoint -> megatron-core distributed checkpoint in Megatron-LM's layout.
 
-Shards are read one after the other, each tensor copied out of the memory-mapped file in the
-target dtype. megatron-core's dist_checkpointing saves a whole state dict at once (its writer
-holds every tensor it writes, cloning views of larger storages), so the peak host memory is about
-the converted model once, not one shard plus one layer (measured: 746 MB peak RSS for a 320 MB
-bf16 model in 100 MB shards, of which 357 MB is the imports).
+The checkpoint is written by ``streaming_save``: each of our tensors is made from its Hugging Face
+tensors (read from their memory-mapped shard, in the target dtype) only when the writer comes to
+it, and dropped once written. Peak host memory is a few tensors of one layer above the imports,
+whatever the model's size; a progress line reports each shard once all its tensors were read.
 """
 
 import json
 import os
 import time
 
+import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from safetensors import safe_open
@@ -21,6 +21,7 @@ from llama_config import check_layout, llama_shape, read_config
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 from megatron.training.errors import UserError
 from output_dir import copy_hf_side_files, written_atomically
+from streaming_save import StreamingTorchDistSaveStrategy, placeholder
 
 ITERATION = 1  # Megatron-LM's converter saves iteration 1 too; --finetune restarts at 0
 
@@ -44,72 +45,118 @@ def shard_files(hf_dir):
     return [os.path.join(hf_dir, name) for name in names]
 
 
-class LayerAssembler:
-    """Collects HF tensors as they are read and turns each complete layer into our tensors."""
+class ShardReader:
+    """Reads Hugging Face tensors by name, in ``dtype``, from the shard that holds them.
 
-    def __init__(self, shape, templates, padded_vocab_size):
-        self.shape, self.templates, self.padded_vocab_size = shape, templates, padded_vocab_size
-        self.wanted = {}  # HF name -> (layer or None, part)
-        for layer in range(shape.num_layers):
-            for part, name in llama_tensors.hf_layer_names(layer, shape.qkv_bias).items():
-                self.wanted[name] = (layer, part)
-        self.wanted[llama_tensors.HF_EMBEDDING] = (None, "embedding.word_embeddings.weight")
-        self.wanted[llama_tensors.HF_FINAL_NORM] = (None, "decoder.final_layernorm.weight")
-        if not shape.tied_embeddings:
-            self.wanted[llama_tensors.HF_OUTPUT] = (None, "output_layer.weight")
-        self.pending = {}  # layer -> {part: tensor}
-        self.state = {}  # our state key -> ShardedTensor or [ShardedTensor, ...]
+    A shard is opened for each read (its header only is parsed) and closed right after, so that
+    none stays mapped: its pages would count as our memory. Prints a shard's progress line once
+    every tensor the model needs from it was read."""
 
-    def add(self, name, tensor):
-        if name not in self.wanted:
-            return False  # e.g. rotary inv_freq buffers some checkpoints carry
-        layer, part = self.wanted.pop(name)
-        if layer is None:
-            self._add_model_level(part, tensor)
-            return True
-        parts = self.pending.setdefault(layer, {})
-        parts[part] = tensor
-        if len(parts) == len(llama_tensors.hf_layer_names(layer, self.shape.qkv_bias)):
-            for suffix, value in llama_tensors.megatron_layer(self.pending.pop(layer), self.shape).items():
-                self._place(f"decoder.layers.{layer}.{suffix}", value)
-        return True
+    def __init__(self, files, needed, dtype):
+        self.dtype, self.files = dtype, files
+        self.location, self.shapes = {}, {}
+        for path in files:
+            with safe_open(path, framework="pt") as shard:
+                for name in shard.keys():
+                    self.location[name] = path
+                    self.shapes[name] = tuple(shard.get_slice(name).get_shape())
+        missing = [name for name in needed if name not in self.location]
+        if missing:
+            raise UserError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
+        self.unread = {path: set() for path in files}
+        for name in needed:
+            self.unread[self.location[name]].add(name)
+        self.progress = {path: {"tensors": 0, "bytes": 0, "start": None} for path in files}
 
-    def _add_model_level(self, key, tensor):
-        if key != "decoder.final_layernorm.weight":
-            tensor = llama_tensors.padded_rows(tensor, self.padded_vocab_size)
-        self._place(key, tensor)
-        if key == "embedding.word_embeddings.weight" and self.shape.tied_embeddings:
-            self._place("output_layer.weight", tensor)  # our model keeps an untied copy
+    def position(self, name):
+        """Where ``name`` lies: reading in this order reads the shards one after the other."""
+        return self.files.index(self.location[name]), name
 
-    def _place(self, key, value):
-        template = self.templates[key]
-        if isinstance(template, list):
-            self.state[key] = [core_layout.with_data(t, v) for t, v in zip(template, value, strict=True)]
-        else:
-            self.state[key] = core_layout.with_data(template, value)
-
-    def finished_state(self):
-        if self.wanted:
-            raise UserError(f"the checkpoint lacks {len(self.wanted)} tensors the model needs, "
-                            f"e.g. {next(iter(self.wanted))}")
-        extra = {key: value for key, value in self.templates.items()
-                 if not isinstance(value, (ShardedTensor, list))}  # extra state objects
-        return {**extra, **self.state}
-
-
-def read_shards(files, assembler, dtype):
-    for number, path in enumerate(files, 1):
-        start, count, size = time.time(), 0, 0
+    def read(self, name):
+        path = self.location[name]
+        progress = self.progress[path]
+        if progress["start"] is None:
+            progress["start"] = time.time()
         with safe_open(path, framework="pt") as shard:
-            for name in shard.keys():
-                # A copy: the file stays mapped only while its shard is read.
-                tensor = shard.get_tensor(name).to(dtype, copy=True)
-                if assembler.add(name, tensor):
-                    count += 1
-                    size += tensor.numel() * tensor.element_size()
-        seconds = max(time.time() - start, 1e-9)
-        print(f"shard {number}/{len(files)} {os.path.basename(path)}: {count} tensors, {size / 1e9:.3f} GB "
-              f"in {seconds:.1f} s ({size / 1e9 / seconds:.2f} GB/s)", flush=True)
+            tensor = shard.get_tensor(name).to(self.dtype, copy=True)
+        if name in self.unread[path]:
+            self.unread[path].discard(name)
+            progress["tensors"] += 1
+            progress["bytes"] += tensor.numel() * tensor.element_size()
+            if not self.unread[path]:
+                self._report(path)
+        return tensor
+
+    def _report(self, path):
+        progress, number = self.progress[path], self.files.index(path) + 1
+        seconds = max(time.time() - progress["start"], 1e-9)
+        gigabytes = progress["bytes"] / 1e9
+        print(f"shard {number}/{len(self.files)} {os.path.basename(path)}: {progress['tensors']} tensors, "
+              f"{gigabytes:.3f} GB in {seconds:.1f} s ({gigabytes / seconds:.2f} GB/s)", flush=True)
+
+
+def tensor_recipes(shape, templates):
+    """{(checkpoint key, global offset): (our template, HF names, combine, pad vocabulary rows)}."""
+    recipes = {}
+
+    def add(template, names, combine, pad=False):
+        recipes[(template.key, tuple(template.global_offset))] = (template, names, combine, pad)
+
+    for layer in range(shape.num_layers):
+        hf_names = llama_tensors.hf_layer_names(layer, shape.qkv_bias)
+        for suffix, parts in llama_tensors.megatron_layer_recipes(shape).items():
+            template = templates[f"decoder.layers.{layer}.{suffix}"]
+            for part_template, (hf_parts, combine) in zip(template if isinstance(template, list) else [template],
+                                                          parts, strict=True):
+                add(part_template, [hf_names[part] for part in hf_parts], combine)
+
+    unchanged = llama_tensors.unchanged
+    add(templates["embedding.word_embeddings.weight"], [llama_tensors.HF_EMBEDDING], unchanged, pad=True)
+    add(templates["decoder.final_layernorm.weight"], [llama_tensors.HF_FINAL_NORM], unchanged)
+    if not shape.tied_embeddings:  # tied: the model has no output layer weight of its own
+        add(templates["output_layer.weight"], [llama_tensors.HF_OUTPUT], unchanged, pad=True)
+    return recipes
+
+
+def _made(recipe, tensors):
+    template, _, combine, pad = recipe
+    tensor = combine(*tensors)
+    return llama_tensors.padded_rows(tensor, template.local_shape[0]) if pad else tensor
+
+
+def _check_shapes(recipe, shapes):
+    """The tensor ``recipe`` makes from tensors of the checkpoint's shapes (on the meta device) has
+    the model's shape, or a UserError names the first Hugging Face tensor."""
+    template, names, _, _ = recipe
+    try:
+        made = tuple(_made(recipe, [torch.empty(shapes[name], device="meta") for name in names]).shape)
+    except RuntimeError:  # parts that do not fit together
+        made = None
+    if made != tuple(template.local_shape):
+        raise UserError(f"{names[0]} has shape {shapes[names[0]]}, which does not fit the model config.json "
+                        f"describes ({template.key} {tuple(template.local_shape)})")
+
+
+def streamed_state(templates, recipes, reader, dtype):
+    """The state dict to save (placeholders for the tensors), the producer of their data, and the
+    order to produce them in (that of their first Hugging Face tensor)."""
+    def without_data(value):  # extra state objects stay as they are
+        if isinstance(value, list):
+            return [placeholder(part, dtype) for part in value]
+        return placeholder(value, dtype) if isinstance(value, ShardedTensor) else value
+
+    state = {key: without_data(value) for key, value in templates.items()}
+    for recipe in recipes.values():  # before anything is written: the writer would bury the message
+        _check_shapes(recipe, reader.shapes)
+
+    def produce(key, offset):
+        recipe = recipes[(key, offset)]
+        return _made(recipe, [reader.read(name) for name in recipe[1]])
+
+    def order(key, offset):
+        return min(reader.position(name) for name in recipes[(key, offset)][1])
+
+    return state, produce, order
 
 
 def flags_for_users(shape, options, padded_vocab_size, dtype_flags):
@@ -134,9 +181,11 @@ def convert(options):
     with written_atomically(options.save_dir) as work_dir:
         core_layout.start_single_process_group()
         args = core_layout.model_args(shape.megatron_flags(), padded_vocab_size, dtype_flags)
-        assembler = LayerAssembler(shape, core_layout.checkpoint_templates(args), padded_vocab_size)
-        read_shards(files, assembler, args.params_dtype)
-        state = assembler.finished_state()
+        templates = core_layout.checkpoint_templates(args)
+        recipes = tensor_recipes(shape, templates)
+        reader = ShardReader(files, [name for _, names, _, _ in recipes.values() for name in names],
+                             args.params_dtype)
+        state, produce, order = streamed_state(templates, recipes, reader, args.params_dtype)
         state.update(iteration=ITERATION, consumed_train_samples=0, checkpoint_version=3.0,
                      layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "virtual_pipeline_model_parallel_size": None},
@@ -145,8 +194,8 @@ def convert(options):
         start = time.time()
         iteration_dir = checkpoint_dir(work_dir, ITERATION)
         os.makedirs(iteration_dir)
-        dist_checkpointing.save(state, iteration_dir)
-        print(f"saved the megatron-core checkpoint in {time.time() - start:.1f} s", flush=True)
+        dist_checkpointing.save(state, iteration_dir, sharded_strategy=StreamingTorchDistSaveStrategy(produce, order))
+        print(f"read, converted and saved the tensors in {time.time() - start:.2f} s", flush=True)
         with open(os.path.join(work_dir, TRACKER_FILENAME), "w") as tracker:
             tracker.write(str(ITERATION))
         hf_side = os.path.join(work_dir, "hf")

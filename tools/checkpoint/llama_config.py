@@ -45,8 +45,9 @@ class LlamaShape:
                  "--kv-channels", self.kv_channels, "--max-position-embeddings", self.max_position_embeddings,
                  "--position-embedding-type", "rope", "--rotary-base", self.rotary_base,
                  "--normalization", "RMSNorm", "--norm-epsilon", self.norm_epsilon, "--swiglu",
-                 "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                 "--attention-dropout", 0, "--hidden-dropout", 0]
+                 "--disable-bias-linear", "--attention-dropout", 0, "--hidden-dropout", 0]
+        if not self.tied_embeddings:
+            flags.append("--untie-embeddings-and-output-weights")
         if self.qkv_bias:
             flags.append("--add-qkv-bias")
         if self.rope_scaling_factor is not None:
@@ -54,15 +55,16 @@ class LlamaShape:
         return [str(flag) for flag in flags]
 
 
-def read_config(hf_dir):
+def read_config(hf_dir, flag="--load-dir"):
+    """The config.json of ``hf_dir``, the directory given by ``flag`` (named in errors)."""
     path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"--load-dir {hf_dir}: no config.json (a Hugging Face model directory holds one)")
+        raise UserError(f"{flag} {hf_dir}: no config.json (a Hugging Face model directory holds one)")
     try:
         with open(path) as f:
             return json.load(f)
     except (OSError, ValueError) as error:
-        raise UserError(f"--load-dir {hf_dir}: config.json is not readable JSON ({error})") from None
+        raise UserError(f"{flag} {hf_dir}: config.json is not readable JSON ({error})") from None
 
 
 def _rope(config, path):

@@ -40,24 +40,31 @@ def split_qkv(qkv, num_attention_heads, num_query_groups):
     return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
 
 
-def megatron_layer(hf, shape):
-    """{our state key suffix: tensor, or [gate, up] for fc1} of one layer from its HF tensors by part."""
-    layer = {
-        "input_layernorm.weight": hf["input_norm"],
-        "pre_mlp_layernorm.weight": hf["mlp_norm"],
-        "self_attention.linear_qkv.weight": fused_qkv(hf["q"], hf["k"], hf["v"], shape.num_query_groups),
-        "self_attention.linear_proj.weight": hf["o"],
-        "mlp.linear_fc1.weight": [hf["gate"], hf["up"]],
-        "mlp.linear_fc2.weight": hf["down"],
+def unchanged(tensor):
+    return tensor
+
+
+def megatron_layer_recipes(shape):
+    """{our state key suffix: [(HF parts, combine) for each part it is saved as]}: how each tensor
+    of a layer is made from the layer's HF tensors, so that it can be made on its own when written."""
+    def qkv(q, k, v):
+        return fused_qkv(q, k, v, shape.num_query_groups)
+
+    recipes = {
+        "input_layernorm.weight": [(("input_norm",), unchanged)],
+        "pre_mlp_layernorm.weight": [(("mlp_norm",), unchanged)],
+        "self_attention.linear_qkv.weight": [(("q", "k", "v"), qkv)],
+        "self_attention.linear_proj.weight": [(("o",), unchanged)],
+        "mlp.linear_fc1.weight": [(("gate",), unchanged), (("up",), unchanged)],
+        "mlp.linear_fc2.weight": [(("down",), unchanged)],
     }
     if shape.qkv_bias:
-        layer["self_attention.linear_qkv.bias"] = fused_qkv(hf["q_bias"], hf["k_bias"], hf["v_bias"],
-                                                            shape.num_query_groups)
-    return layer
+        recipes["self_attention.linear_qkv.bias"] = [(("q_bias", "k_bias", "v_bias"), qkv)]
+    return recipes
 
 
 def hf_layer(megatron, shape):
-    """Inverse of ``megatron_layer``: {HF part: tensor}."""
+    """Inverse of ``megatron_layer_recipes``: {HF part: tensor} from {our key suffix: tensor or [gate, up]}."""
     q, k, v = split_qkv(megatron["self_attention.linear_qkv.weight"], shape.num_attention_heads,
                         shape.num_query_groups)
     gate, up = megatron["mlp.linear_fc1.weight"]
