@@ -48,8 +48,9 @@ def shard_files(hf_dir):
 class ShardReader:
     """Reads Hugging Face tensors by name, in ``dtype``, from the shard that holds them.
 
-    A shard is opened for each read (its header only is parsed) and closed right after, so that
-    none stays mapped: its pages would count as our memory. Prints a shard's progress line once
+    A shard is opened for each read (its header only is parsed) and closed right after. The tensor
+    read is a view of the file's pages (no copy unless ``dtype`` differs), mapped only until the
+    writer has written it: a copy would hold the tensor twice, file pages and anonymous memory. Prints a shard's progress line once
     every tensor the model needs from it was read."""
 
     def __init__(self, files, needed, dtype):
@@ -78,7 +79,7 @@ class ShardReader:
         if progress["start"] is None:
             progress["start"] = time.time()
         with safe_open(path, framework="pt") as shard:
-            tensor = shard.get_tensor(name).to(self.dtype, copy=True)
+            tensor = shard.get_tensor(name).to(self.dtype)
         if name in self.unread[path]:
             self.unread[path].discard(name)
             progress["tensors"] += 1
