@@ -79,7 +79,7 @@ class GenerationEngine:
         self.max_sequence_length = max_sequence_length
         self.device = torch.device(device)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts, params, observer=None):
         """``prompts``: lists of token ids; ``params``: SamplingParams. The same call on every rank."""
         observer = observer or NoObserver()
