@@ -1,8 +1,9 @@
 """Text generation with a KV cache at any TP/PP (and DP replicas), on CPU or GPU.
 
-The KV cache is megatron-core's ``StaticInferenceContext`` handed to ``GPTModel.forward``; each forward
-goes through megatron-core's forward-only pipeline schedule (megatron/inference/greedy.py's ``logits``),
-so pipeline stages pass activations as in training. Prompts of different lengths share one batch as in
+The KV cache is megatron-core's ``StaticInferenceContext`` handed to ``GPTModel.forward``; with pipeline
+parallelism each forward goes through megatron-core's forward-only pipeline schedule (megatron/inference/
+greedy.py's ``logits``), so stages pass activations as in training. A small-batch step is bound by host time
+(Python and op dispatch), hence ``torch.inference_mode`` (less per-op bookkeeping than ``no_grad``). Prompts of different lengths share one batch as in
 Megatron-LM: the prefill reads the shortest prompt's length, then every step reads one position of every
 row; a row still inside its prompt takes its prompt token, the others take the sampled one.
 
@@ -79,7 +80,7 @@ class GenerationEngine:
         self.max_sequence_length = max_sequence_length
         self.device = torch.device(device)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, prompts, params, observer=None):
         """``prompts``: lists of token ids; ``params``: SamplingParams. The same call on every rank."""
         observer = observer or NoObserver()

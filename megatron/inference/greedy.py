@@ -1,4 +1,5 @@
-"""Greedy generation with our GPT at any TP/PP, through megatron-core's forward-only pipeline schedule.
+"""Greedy generation with our GPT at any TP/PP, through megatron-core's forward-only pipeline schedule
+(with pipeline parallelism; without it the model is called directly).
 
 No KV cache: every step runs the whole sequence again (simple, and exact; a check of a converted
 model's numbers, not a server). Every rank holds the same tokens; the last pipeline stage picks
@@ -33,15 +34,22 @@ def logits(model, tokens, start=0, inference_context=None):
     model then gathers the vocabulary over TP itself, as megatron-core requires in inference)."""
     model_kwargs = {} if inference_context is None else \
         {"inference_context": inference_context, "runtime_gather_output": True}
-    collected = get_forward_backward_func()(
-        forward_step_func=_forward_step(tokens, start, model_kwargs), data_iterator=None, model=model, num_microbatches=1,
-        seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
-        collect_non_loss_data=True)
-    if not parallel_state.is_pipeline_last_stage():
-        return None
+    forward_step = _forward_step(tokens, start, model_kwargs)
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        # Nothing to pass between stages: the schedule's per-call machinery (about 0.5 ms of host time a
+        # call) would only wrap this one forward, which bounds a small-batch decode step.
+        output = forward_step(None, model[0])[0]
+    else:
+        output = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=None, model=model, num_microbatches=1,
+            seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
+            collect_non_loss_data=True)
+        if not parallel_state.is_pipeline_last_stage():
+            return None
+        output = output[0]
     if inference_context is not None:
-        return collected[0]
-    return gather_from_tensor_model_parallel_region(collected[0])  # the vocabulary is split over TP
+        return output
+    return gather_from_tensor_model_parallel_region(output)  # the vocabulary is split over TP
 
 
 @torch.no_grad()
