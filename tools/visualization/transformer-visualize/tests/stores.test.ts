@@ -10,6 +10,7 @@ import { useGenerationStore } from '../src/stores/generation';
 import { usePerturbationsStore } from '../src/stores/perturbations';
 import { useTrainingStore } from '../src/stores/training';
 import { wireStores } from '../src/stores/wiring';
+import type { IterationMessage } from '../src/protocol/messages';
 import { buildFrame } from './frames';
 
 const WELCOME = {
@@ -22,9 +23,9 @@ type Script = (message: Record<string, unknown>, reply: (m: object | ArrayBuffer
 
 function startServer(port: number, script: Script, received: Record<string, unknown>[]): Promise<WebSocketServer> {
   return new Promise((resolve) => {
-    const server = new WebSocketServer({ host: '127.0.0.1', port }, () => resolve(server));
-    server.on('connection', (socket) => {
-      socket.on('message', (data) => {
+    const server: WebSocketServer = new WebSocketServer({ host: '127.0.0.1', port }, () => resolve(server));
+    server.on('connection', (socket: NodeWebSocket) => {
+      socket.on('message', (data: Buffer) => {
         const message = JSON.parse(String(data)) as Record<string, unknown>;
         received.push(message);
         script(message, (m) => socket.send(m instanceof ArrayBuffer ? Buffer.from(m) : JSON.stringify(m)));
@@ -154,7 +155,7 @@ describe('generation, captures and perturbations stores', () => {
 describe('training store', () => {
   it('keeps every iteration and the state, and builds the control messages', () => {
     const training = useTrainingStore(pinia);
-    const iteration = { type: 'iteration', lm_loss: 5, lr: 1e-3, grad_norm: 1.5, skipped: false, activation_norms: [1, 2], grad_norms: [0.1, 0.2], state: 'running' } as const;
+    const iteration: Omit<IterationMessage, 'iteration'> = { type: 'iteration', lm_loss: 5, lr: 1e-3, grad_norm: 1.5, skipped: false, activation_norms: [1, 2], grad_norms: [0.1, 0.2], state: 'running' };
     training.handle({ ...iteration, iteration: 1 });
     training.handle({ ...iteration, iteration: 2 });
     training.handle({ type: 'training_state', state: 'paused', iteration: 2 });
