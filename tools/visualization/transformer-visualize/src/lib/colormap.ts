@@ -46,15 +46,35 @@ export function valueRange(kind: ScaleKind, values: Float32Array): Range {
   return max > min ? { min, max } : { min, max: min + 1 };
 }
 
-/** Fill RGBA pixels (one per value) for the values; non-finite values get the empty color. */
-export function paint(kind: ScaleKind, values: Float32Array, range: Range, out: Uint8ClampedArray): void {
+const LEVELS = 256;
+const TABLES: Record<ScaleKind, Uint8ClampedArray> = { sequential: table('sequential'), diverging: table('diverging') };
+
+function table(kind: ScaleKind): Uint8ClampedArray {
+  const rgb = new Uint8ClampedArray(3 * LEVELS);
+  for (let i = 0; i < LEVELS; i++) rgb.set(colorAt(kind, i / (LEVELS - 1)), 3 * i);
+  return rgb;
+}
+
+/** Fill RGBA pixels (one per value) for the values; non-finite values get the empty color.
+ *  A million cells (attention at 1,000 tokens) per redraw: colors come from a 256-level table.
+ *  gamma < 1 spreads the small values (attention over many keys is mostly small). */
+export function paint(kind: ScaleKind, values: Float32Array, range: Range, out: Uint8ClampedArray, gamma = 1): void {
+  const colors = TABLES[kind];
   const span = range.max - range.min;
   for (let i = 0; i < values.length; i++) {
     const v = values[i];
-    const rgb = Number.isFinite(v) ? colorAt(kind, (v - range.min) / span) : EMPTY_RGB;
-    out[4 * i] = rgb[0];
-    out[4 * i + 1] = rgb[1];
-    out[4 * i + 2] = rgb[2];
-    out[4 * i + 3] = 255;
+    const o = 4 * i;
+    if (v === v && v !== Infinity && v !== -Infinity) {
+      const t = Math.min(1, Math.max(0, (v - range.min) / span));
+      const level = 3 * Math.round((gamma === 1 ? t : t ** gamma) * (LEVELS - 1));
+      out[o] = colors[level];
+      out[o + 1] = colors[level + 1];
+      out[o + 2] = colors[level + 2];
+    } else {
+      out[o] = EMPTY_RGB[0];
+      out[o + 1] = EMPTY_RGB[1];
+      out[o + 2] = EMPTY_RGB[2];
+    }
+    out[o + 3] = 255;
   }
 }

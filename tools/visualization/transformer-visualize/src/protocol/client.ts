@@ -70,7 +70,7 @@ export class MegascopeClient {
       const hello: ClientMessage = token ? { type: 'hello', protocol: PROTOCOL_VERSION, token } : { type: 'hello', protocol: PROTOCOL_VERSION };
       socket.send(JSON.stringify(hello));
     };
-    socket.onmessage = (event: MessageEvent) => this.receive(event.data);
+    socket.onmessage = (event: MessageEvent) => this.enqueue(event.data);
     socket.onclose = (event: CloseEvent) => {
       if (this.socket !== socket) return;
       this.socket = null;
@@ -83,6 +83,21 @@ export class MegascopeClient {
         if (this.wanted) this.open(url, token);
       }, delay);
     };
+  }
+
+  // Messages come one per task, thousands a second while a generation streams; handing them over in
+  // batches (once per animation frame) lets the page render once per batch instead of once per message.
+  private queue: unknown[] = [];
+
+  private enqueue(data: unknown): void {
+    this.queue.push(data);
+    if (this.queue.length > 1) return;
+    const later = typeof requestAnimationFrame === 'function' ? requestAnimationFrame : (f: () => void) => setTimeout(f, 0);
+    later(() => {
+      const batch = this.queue;
+      this.queue = [];
+      for (const item of batch) this.receive(item);
+    });
   }
 
   private receive(data: unknown): void {

@@ -20,14 +20,26 @@ export const useCapturesStore = defineStore('captures', () => {
     step.value = frame.header.step;
     addFrame(series, frame);
     frames.value += 1;
-    version.value += 1;
+    publish();
+  }
+
+  // Frames arrive one per message, hundreds a second: the views redraw once per animation frame at most.
+  let pending = false;
+  function publish(): void {
+    if (pending) return;
+    pending = true;
+    const later = typeof requestAnimationFrame === 'function' ? requestAnimationFrame : (f: () => void) => setTimeout(f, 16);
+    later(() => {
+      pending = false;
+      version.value += 1;
+    });
   }
 
   function clear(): void {
     series.clear();
     source = null;
     step.value = null;
-    version.value += 1;
+    publish();
   }
 
   return { series, version, frames, step, add, clear };

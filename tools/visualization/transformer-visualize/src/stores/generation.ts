@@ -45,6 +45,7 @@ export const useGenerationStore = defineStore('generation', () => {
   const lens = shallowRef(new Map<string, LensLayer[]>());
   const pca = shallowRef<PcaMessage | null>(null);
   const selected = ref<{ promptIndex: number; step: number } | null>(null);
+  const comparison = ref<{ without: Generation; with: Generation } | null>(null);  // the last with/without pair
   let counter = 0;
   const waiting = new Map<string, { resolve: (done: GenerationDone) => void; reject: (error: Error) => void }>();
 
@@ -111,5 +112,5 @@ export const useGenerationStore = defineStore('generation', () => {
     return lens.value.get(`${promptIndex}|${step}`);
   }
 
-  return { params, capture, current, history, lens, pca, selected, generate, handle, lensFor };
+  return { params, capture, current, history, lens, pca, selected, comparison, generate, handle, lensFor };
 });
