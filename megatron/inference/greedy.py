@@ -11,11 +11,11 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
 
 
-def _forward_step(tokens):
-    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+def _forward_step(tokens, start, model_kwargs):
+    positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).expand_as(tokens)
 
     def forward_step(data_iterator, model):
-        output = model(tokens, positions, None)  # a middle or last stage ignores the tokens
+        output = model(tokens, positions, None, **model_kwargs)  # a middle or last stage ignores the tokens
 
         def keep_logits(output_tensor, non_loss_data=True):
             return output_tensor  # collected by the schedule as "non-loss data"
@@ -26,14 +26,21 @@ def _forward_step(tokens):
 
 
 @torch.no_grad()
-def logits(model, tokens):
-    """[batch, length, padded vocabulary] logits of ``tokens`` on the last pipeline stage, else None."""
+def logits(model, tokens, start=0, inference_context=None):
+    """[batch, length, padded vocabulary] logits of ``tokens`` on the last pipeline stage, else None.
+
+    ``start``: the position of the first token; ``inference_context``: megatron-core's KV cache (the
+    model then gathers the vocabulary over TP itself, as megatron-core requires in inference)."""
+    model_kwargs = {} if inference_context is None else \
+        {"inference_context": inference_context, "runtime_gather_output": True}
     collected = get_forward_backward_func()(
-        forward_step_func=_forward_step(tokens), data_iterator=None, model=model, num_microbatches=1,
+        forward_step_func=_forward_step(tokens, start, model_kwargs), data_iterator=None, model=model, num_microbatches=1,
         seq_length=tokens.shape[1], micro_batch_size=tokens.shape[0], forward_only=True,
         collect_non_loss_data=True)
     if not parallel_state.is_pipeline_last_stage():
         return None
+    if inference_context is not None:
+        return collected[0]
     return gather_from_tensor_model_parallel_region(collected[0])  # the vocabulary is split over TP
 
 

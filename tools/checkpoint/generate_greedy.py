@@ -8,7 +8,6 @@ last stage's first tensor-parallel rank writes ``{"tokens", "logits"}`` (the pro
 the tokenizer's vocabulary) with torch.save.
 """
 
-import functools
 import json
 import os
 import sys
@@ -21,16 +20,9 @@ from megatron.core import parallel_state  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
 from megatron.inference.greedy import greedy_generate, logits  # noqa: E402
-from megatron.training.arguments import parse_args  # noqa: E402
-from megatron.training.checkpointing import load_checkpoint, use_checkpoint_vocab_padding  # noqa: E402
+from megatron.inference.model_setup import setup_for_generation  # noqa: E402
 from megatron.training.errors import UserError, exit_on_user_error  # noqa: E402
-from megatron.training.initialize import initialize_megatron, shutdown  # noqa: E402
-from megatron.training.model_setup import build_model  # noqa: E402
-from megatron.training.tokenizer import build_tokenizer  # noqa: E402
-from megatron.training.validate_args import validate_args  # noqa: E402
-
-# Flags pretrain_gpt.py requires that generation does not use (the command line overrides them).
-_TRAINING_ONLY = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
+from megatron.training.initialize import shutdown  # noqa: E402
 
 
 def _generation_args(parser):
@@ -52,16 +44,8 @@ def _prompt_tokens(path, tokenizer, device):
 
 @exit_on_user_error
 def main():
-    args = parse_args(_TRAINING_ONLY + sys.argv[1:], "generate_greedy.py", extra_args_provider=_generation_args)
-    validate_args(args)
-    args.finetune = True  # weights only
-    use_checkpoint_vocab_padding(args)
-    tokenizer = build_tokenizer(args)
-    initialize_megatron(args)
-    model = build_model(args, functools.partial(pretrain_gpt.model_provider, args))
-    load_checkpoint(args, model, None, None)
-    for chunk in model:
-        chunk.eval()
+    args, model, tokenizer = setup_for_generation(sys.argv[1:], "generate_greedy.py", pretrain_gpt.model_provider,
+                                                  extra_args_provider=_generation_args)
     prompts = _prompt_tokens(args.prompts_json, tokenizer, torch.device(args.device))
     prompt_logits = logits(model, prompts)
     tokens = greedy_generate(model, prompts, args.max_new_tokens, tokenizer.vocab_size)

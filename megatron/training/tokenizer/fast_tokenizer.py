@@ -22,6 +22,10 @@ class FastTokenizer(MegatronLegacyTokenizer):
     def tokenize(self, text):
         return self._tokenizer.encode(text, add_special_tokens=self._add_special_tokens).ids
 
+    def tokenize_plain(self, text):
+        """Without the post-processor's BOS/EOS: for text that already has them (a rendered chat template)."""
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
     def detokenize(self, ids):
         # Special tokens are text too (an EOD stays visible in a decoded document), as in Megatron-LM.
         return self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)

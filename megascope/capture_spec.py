@@ -1,0 +1,111 @@
+"""CaptureSpec: what a client asks to capture, parsed and validated from its JSON form (see
+docs/megascope_protocol.md); every mistake is a ProtocolError naming the field."""
+
+from dataclasses import dataclass, field
+
+from megascope.errors import ProtocolError
+from megascope.hooks import HOOK_NAMES, HOOK_POINTS, hook_point
+from megascope.reductions import Reduction
+
+_FIELDS = ("hooks", "layers", "tokens", "reduction", "reductions", "topk", "logit_lens", "pca", "sample")
+MAX_TOPK = 100
+
+
+def _bad(message, name):
+    return ProtocolError("bad_field", message, name)
+
+
+def _int(value, name, minimum=0, maximum=None):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (
+            maximum is not None and value > maximum):
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise _bad(f"{name} must be an integer {bound}", name)
+    return value
+
+
+def _range(value, name):
+    """[start, end) of non-negative integers, or None for everything."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != 2:
+        raise _bad(f"{name} must be [start, end) or null", name)
+    start, end = (_int(v, name) for v in value)
+    if start >= end:
+        raise _bad(f"{name}: start {start} must be below end {end}", name)
+    return start, end
+
+
+@dataclass(frozen=True)
+class PcaRequest:
+    hook: str
+    layer: int | None
+
+
+@dataclass(frozen=True)
+class CaptureSpec:
+    hooks: tuple = ()
+    layers: tuple | None = None
+    tokens: tuple | None = None
+    reduction: Reduction = Reduction("none")
+    reductions: dict = field(default_factory=dict)
+    topk: int = 5
+    logit_lens: bool = False
+    pca: PcaRequest | None = None
+    sample: int = 0
+
+    @classmethod
+    def from_json(cls, obj):
+        if not isinstance(obj, dict):
+            raise _bad("capture must be an object", "capture")
+        unknown = sorted(set(obj) - set(_FIELDS))
+        if unknown:
+            raise _bad(f"unknown capture field {unknown[0]!r}; known: {', '.join(_FIELDS)}", unknown[0])
+        hooks = obj.get("hooks", [])
+        if not isinstance(hooks, list) or not all(isinstance(h, str) for h in hooks):
+            raise _bad(f"hooks must be a list of hook names ({', '.join(HOOK_NAMES)})", "hooks")
+        for name in hooks:
+            hook_point(name)
+        reduction = Reduction.parse(obj.get("reduction", "none"), "reduction")
+        reductions = obj.get("reductions") or {}
+        if not isinstance(reductions, dict):
+            raise _bad("reductions must be an object {hook: reduction}", "reductions")
+        per_hook = {}
+        for name, text in reductions.items():
+            if name not in hooks:
+                raise _bad(f"reductions names {name!r}, which is not among the captured hooks", "reductions")
+            per_hook[name] = Reduction.parse(text, f"reductions.{name}")
+        for name in hooks:
+            per_hook.get(name, reduction).check_applies_to(HOOK_POINTS[name].dims, name,
+                                                           f"reductions.{name}" if name in per_hook else "reduction")
+        logit_lens = obj.get("logit_lens", False)
+        if not isinstance(logit_lens, bool):
+            raise _bad("logit_lens must be true or false", "logit_lens")
+        return cls(hooks=tuple(dict.fromkeys(hooks)), layers=_range(obj.get("layers"), "layers"),
+                   tokens=_range(obj.get("tokens"), "tokens"), reduction=reduction, reductions=per_hook,
+                   topk=_int(obj.get("topk", 5), "topk", 1, MAX_TOPK), logit_lens=logit_lens,
+                   pca=_pca(obj.get("pca"), hooks), sample=_int(obj.get("sample", 0), "sample"))
+
+    def reduction_for(self, hook):
+        return self.reductions.get(hook, self.reduction)
+
+    def wants_layer(self, layer):
+        return self.layers is None or self.layers[0] <= layer < self.layers[1]
+
+    def wants_token(self, position):
+        return self.tokens is None or self.tokens[0] <= position < self.tokens[1]
+
+
+def _pca(value, hooks):
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"hook", "layer"}:
+        raise _bad('pca must be {"hook": name, "layer": index} or null', "pca")
+    point = hook_point(value.get("hook"), "pca.hook")
+    if value["hook"] not in hooks:
+        raise _bad(f"pca.hook {value['hook']!r} must also be among the captured hooks", "pca.hook")
+    layer = value.get("layer")
+    if point.per_layer:
+        layer = _int(layer, "pca.layer")
+    elif layer is not None:
+        raise _bad(f"pca.layer must be null for {point.name!r}, which has no layer", "pca.layer")
+    return PcaRequest(point.name, layer)

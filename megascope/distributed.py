@@ -1,0 +1,24 @@
+"""The two collectives MegaScope needs: gather tensor-parallel shards, and send objects to one rank."""
+
+import torch
+
+
+def all_gather_along(tensor, dim, group):
+    """The pieces of ``tensor`` held by the ranks of ``group``, concatenated along ``dim`` in rank order."""
+    size = torch.distributed.get_world_size(group)
+    if size == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    pieces = [torch.empty_like(tensor) for _ in range(size)]
+    torch.distributed.all_gather(pieces, tensor, group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def gather_objects(obj, group, dst_index):
+    """Every rank's ``obj`` on the ``dst_index``-th rank of ``group`` (a list in group order), else None."""
+    ranks = torch.distributed.get_process_group_ranks(group)
+    if len(ranks) == 1:
+        return [obj]
+    received = [None] * len(ranks) if torch.distributed.get_rank() == ranks[dst_index] else None
+    torch.distributed.gather_object(obj, received, dst=ranks[dst_index], group=group)
+    return received

@@ -1,0 +1,299 @@
+"""MegaScope's inference mode: the WebSocket session of tools/run_text_generation_server.py.
+
+``InferenceSession`` (rank 0, on the WebSocket thread) checks requests and queues generations on the
+GenerationService; ``ScopeObserver`` (every rank) runs around each generation step: it applies rank 0's
+control messages (cancel, a new capture, perturbations) on every rank at the same step, wraps the forward
+in megascope's ``Capture``, and on rank 0 streams tokens, logit lens, data frames and the PCA to the client.
+See docs/megascope_protocol.md.
+"""
+
+import contextlib
+import importlib.util
+import logging
+import threading
+
+import numpy as np
+
+from megascope.errors import ProtocolError
+from megascope.wire import Limits, encode_data_frame, error_message
+from megatron.inference.engine import NoObserver
+from megatron.inference.prompts import sampling_fields
+from megatron.inference.service import Job, pick_seed
+
+log = logging.getLogger("megascope.inference")
+HOOKS = ["embed", "blocks.{l}.ln1", "blocks.{l}.attn.q", "blocks.{l}.attn.k", "blocks.{l}.attn.v",
+         "blocks.{l}.attn.pattern", "blocks.{l}.attn.out", "blocks.{l}.resid_mid", "blocks.{l}.mlp.pre",
+         "blocks.{l}.mlp.out", "blocks.{l}.resid_post", "final_norm", "logits"]
+REDUCTIONS = ["none", "norm", "mean_heads", "bins(n)", "slice(a,b)", "topk_abs(k)"]
+NOISE = ["gaussian", "uniform", "bitflip", "constant"]
+DEFAULT_TOPK = 5
+
+
+def capture_spec(obj, field="capture"):
+    """The library's CaptureSpec of a JSON object (None for None); errors name ``capture.<field>``."""
+    if obj is None:
+        return None
+    from megascope.capture import CaptureSpec
+    try:
+        spec = CaptureSpec.from_json(obj)
+    except ProtocolError as error:
+        inner = error.field if error.field and error.field.startswith(field) else \
+            f"{field}.{error.field}" if error.field else field
+        raise ProtocolError(error.code, error.message, inner) from None
+    if spec.pca is not None and importlib.util.find_spec("megascope.pca") is None:
+        raise ProtocolError("bad_field", "this build has no PCA (megascope.pca); send pca null", f"{field}.pca")
+    return spec
+
+
+def perturbations(objs):
+    from megascope.perturbations import Perturbation
+    checked = []
+    for index, obj in enumerate(objs):
+        try:
+            checked.append(Perturbation.from_json(obj))
+        except ProtocolError as error:
+            raise ProtocolError(error.code, error.message,
+                                f"perturbations.{index}" + (f".{error.field}" if error.field else "")) from None
+    return checked
+
+
+def full_hook_name(hook, layer):
+    return hook if layer is None else f"blocks.{layer}.{hook}"
+
+
+class ScopeObserver(NoObserver):
+    """One generation seen from one rank. ``scope``: {"id", "capture": JSON or None} (the job's payload);
+    ``client`` and ``session`` only on rank 0."""
+
+    def __init__(self, scope, model, args, client=None, session=None):
+        self.id = scope["id"]
+        self.model = model
+        self.args = args
+        self.client = client
+        self.session = session
+        self.spec = capture_spec(scope["capture"])
+        self.capture = None
+        self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
+        self.dropped_at_start = client.dropped_total if client else 0
+        self.started = None  # rank 0: the generation_started message
+
+    # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
+    def poll(self):
+        if self.started is not None:  # sent from the model loop: before any token, after the queue took it
+            self.client.send(self.started)
+            self.started = None
+        return self.session.take_control(self.client) if self.session else None
+
+    def apply(self, control):
+        if not control:
+            return False
+        if "capture" in control:
+            self.spec = capture_spec(control["capture"])
+        if "perturbations" in control:
+            apply_perturbations(self.model, self.args, control["perturbations"])
+        return bool(control.get("cancel"))
+
+    # -- capture around each forward --
+    def forward(self, index, start, end):
+        if self.spec is None:
+            return contextlib.nullcontext()
+        from megascope.capture import Capture
+        self.capture = Capture(self.model, self.spec, self.args)
+        return self.capture
+
+    def step_done(self, step):
+        records = self.capture.collect(step=step.index, token_offset=step.start) if self.spec is not None else []
+        self.capture = None
+        if self.client is None:
+            return
+        lens = {}  # prompt index -> its layers' top-k at the last position read
+        for record in records:
+            if record.hook == "logit_lens":
+                if record.token_start + record.values.shape[0] == step.end:
+                    lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
+                continue
+            if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
+                    and str(record.reduction) == "none":
+                self.pca_vectors.append((record.prompt_index, record.token_start, record.values.numpy()))
+            self.client.send_data(encode_data_frame(
+                {"id": self.id, "step": step.index, "hook": full_hook_name(record.hook, record.layer),
+                 "layer": record.layer, "prompt_index": record.prompt_index,
+                 "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
+                 "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+        for prompt_index, layers in sorted(lens.items()):
+            self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
+                              "prompt_index": prompt_index, "layers": layers})
+        self._send_tokens(step)
+
+    def _send_tokens(self, step):
+        text = self.session.encoder.token_text
+        chosen = step.draw
+        self.client.send({"type": "token", "id": self.id, "step": step.index, "tokens": [
+            {"prompt_index": row, "token_id": int(chosen.tokens[row]), "text": text(int(chosen.tokens[row])),
+             "prob": float(chosen.probs[row]), "logprob": float(chosen.logprobs[row]),
+             "topk": [{"token_id": int(token), "text": text(int(token)), "prob": float(prob)}
+                      for token, prob in zip(chosen.topk_ids[row].tolist(), chosen.topk_probs[row].tolist())]}
+            for row in step.sampled]})
+
+    def _lens_layer(self, record):
+        """One layer's logit lens at the last position of ``record`` ([tokens, k, 2] of token id, probability)."""
+        text = self.session.encoder.token_text
+        return {"layer": record.layer, "topk": [{"token_id": int(token), "text": text(int(token)), "prob": float(prob)}
+                                                for token, prob in record.values[-1].tolist()]}
+
+    def finish(self, generation):
+        """Rank 0, after the last step: the PCA (when asked) and generation_done."""
+        detokenize = self.session.encoder.tokenizer.detokenize
+        if self.pca_vectors:
+            from megascope.pca import pca_2d
+            self.pca_vectors.sort(key=lambda item: (item[0], item[1]))
+            vectors = np.concatenate([values.reshape(values.shape[0], -1) for _, _, values in self.pca_vectors])
+            coords, ratio = pca_2d(vectors)
+            points, row = [], 0
+            for prompt_index, start, values in self.pca_vectors:
+                for offset in range(values.shape[0]):
+                    position = start + offset
+                    tokens = generation.tokens[prompt_index]
+                    points.append({"prompt_index": prompt_index, "token_index": position,
+                                   "text": self.session.encoder.token_text(tokens[position])
+                                   if position < len(tokens) else "",
+                                   "x": float(coords[row][0]), "y": float(coords[row][1])})
+                    row += 1
+            self.client.send({"type": "pca", "id": self.id, "hook": self.spec.pca.hook, "layer": self.spec.pca.layer,
+                              "points": points, "explained_variance": [float(r) for r in ratio]})
+        self.client.send({"type": "generation_done", "id": self.id,
+                          "texts": [detokenize(tokens[length:]) for tokens, length in
+                                    zip(generation.tokens, generation.prompt_lengths)],
+                          "tokens": [tokens[length:] for tokens, length in
+                                     zip(generation.tokens, generation.prompt_lengths)],
+                          "finish_reason": generation.finish_reasons,
+                          "dropped_frames": self.client.dropped_total - self.dropped_at_start})
+
+
+_active_perturbations = {}
+
+
+def apply_perturbations(model, args, objs):
+    """Every rank: replace the active perturbation set (the library restores storage noise exactly)."""
+    from megascope.perturbations import PerturbationSet
+    active = _active_perturbations.get(id(model))
+    if active is None:
+        active = _active_perturbations[id(model)] = PerturbationSet(model, args)
+    active.replace(perturbations(objs))
+
+
+class InferenceSession:
+    """Rank 0's WebSocket session (see megascope/ws_server.py for the interface)."""
+    mode = "inference"
+
+    def __init__(self, service, encoder, model, args, limits=Limits()):
+        self.service = service
+        self.encoder = encoder
+        self.model = model
+        self.args = args
+        self.limits = limits
+        self.server = None            # the WebSocketServer, set by the caller: broadcasts perturbations
+        self._lock = threading.Lock()
+        self._running = {}            # client -> its running generation's Job
+        self._control = {}            # client -> pending control for its running generation
+        self._captures = {}           # client -> its set_capture spec (JSON)
+        self._perturbations = []      # the active set (JSON), for every client
+        self._numbers = 0
+
+    def welcome_info(self):
+        args = self.args
+        return {"model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                          "num_attention_heads": args.num_attention_heads,
+                          "num_query_groups": args.num_query_groups or args.num_attention_heads,
+                          "vocab_size": self.encoder.tokenizer.vocab_size,
+                          "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
+                          "dp": args.data_parallel_size},
+                "hooks": HOOKS, "reductions": REDUCTIONS, "noise": NOISE}
+
+    def on_message(self, client, message):
+        getattr(self, "_" + message["type"])(client, message)
+
+    def on_disconnect(self, client):
+        with self._lock:
+            self._captures.pop(client, None)
+            if client in self._running:
+                self._cancel_job(client)
+
+    def _cancel_job(self, client):
+        """Under the lock: stop ``client``'s generation at its next step."""
+        self._running[client].cancelled = True
+        self._control.setdefault(client, {})["cancel"] = True
+
+    def take_control(self, client):
+        """Rank 0, between steps: the pending control of ``client``'s generation (and new perturbations)."""
+        with self._lock:
+            return self._control.pop(client, None) or None
+
+    def _generate(self, client, message):
+        request = message
+        prompts = self.encoder.encode(request)
+        capture = self._captures.get(client) if request["capture"] == "connection" else request["capture"]
+        spec = capture_spec(capture)
+        seed = pick_seed(request["random_seed"])
+        with self._lock:
+            self._numbers += 1
+            gen_id = message.get("id", f"g{self._numbers}")
+        topk = spec.topk if spec is not None else DEFAULT_TOPK
+        if topk > self.limits.max_topk:
+            raise ProtocolError("bad_field", f"capture.topk must be at most {self.limits.max_topk}", "capture.topk")
+        payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed, topk),
+                   "scope": {"id": gen_id, "capture": capture}}
+        observer = ScopeObserver(payload["scope"], self.model, self.args, client, self)
+        observer.started = {"type": "generation_started", "id": gen_id, "random_seed": seed, "prompt_tokens": [
+            [{"id": token, "text": self.encoder.token_text(token)} for token in tokens] for tokens in prompts]}
+        job = Job(payload=payload, observer=observer, source="websocket")
+        with self._lock:  # before the model loop can finish it
+            if client in self._running:
+                raise ProtocolError("busy", "your generation is running; wait for its generation_done")
+            self._running[client] = job
+        try:
+            self.service.submit(job, refuse_if_busy=True)
+        except ProtocolError:
+            with self._lock:
+                self._running.pop(client, None)
+            raise
+        threading.Thread(target=self._finish, args=(client, job), daemon=True).start()
+
+    def _finish(self, client, job):
+        job.done.wait()
+        with self._lock:
+            self._running.pop(client, None)
+            unapplied = self._control.pop(client, None) or {}
+        if "perturbations" in unapplied:  # came after the generation's last step
+            self.service.control({"perturbations": unapplied["perturbations"]})
+        if job.error is not None:
+            log.error("generation %s failed: %s", job.observer.id, job.error)
+            client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
+            return
+        job.observer.finish(job.result)
+
+    def _cancel(self, client, message):
+        with self._lock:
+            job = self._running.get(client)
+            if job is None or job.observer.id != message["id"]:
+                raise ProtocolError("bad_field", f"no running generation of yours has id {message['id']!r}", "id")
+            self._cancel_job(client)
+
+    def _set_capture(self, client, message):
+        spec = capture_spec(message["capture"])
+        with self._lock:
+            self._captures[client] = message["capture"]
+            if client in self._running:
+                self._control.setdefault(client, {})["capture"] = message["capture"]
+        client.send({"type": "capture_set", "capture": message["capture"] if spec is not None else None})
+
+    def _perturb(self, client, message):
+        perturbations(message["perturbations"])  # checked here, so a bad one is refused before any rank sees it
+        with self._lock:
+            self._perturbations = message["perturbations"]
+            running = list(self._running)
+            for other in running:
+                self._control.setdefault(other, {})["perturbations"] = message["perturbations"]
+        if not running:
+            self.service.control({"perturbations": message["perturbations"]})
+        self.server.broadcast({"type": "perturbations", "active": message["perturbations"]})

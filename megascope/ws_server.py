@@ -1,0 +1,256 @@
+"""The MegaScope WebSocket server, shared by the inference server and the training mode.
+
+It runs in a thread with its own asyncio loop, so the model loop never waits on the network: the model
+hands messages and data frames to `Client.send` / `Client.send_data` (thread-safe, non-blocking), and each
+client has a bounded queue that drops its oldest data frames (never control messages) when the client
+reads slower than the model writes. The server does the protocol's fixed duties (hello, version, token,
+Origin, size and rate limits, ping, error frames) and hands every other checked message to a session:
+
+    class Session:                      # duck-typed; inference_session.py and training_session.py
+        mode = "inference"              # or "training": selects which message types are served
+        def welcome_info(self): ...     # {"model": {...}, "hooks": [...], "reductions": [...], "noise": [...]}
+        def on_message(self, client, message): ...  # on the server thread: must not block; may raise ProtocolError
+        def on_disconnect(self, client): ...
+
+See docs/megascope_protocol.md.
+"""
+
+import asyncio
+import collections
+import hmac
+import itertools
+import logging
+import re
+import secrets
+import threading
+import time
+
+import websockets
+from websockets.asyncio.server import serve
+
+from megascope.errors import ProtocolError
+from megascope.wire import (INFERENCE_TYPES, PROTOCOL_VERSION, TRAINING_TYPES, Limits, encode_message,
+                            error_from, error_message, parse_message)
+from megatron.training.errors import UserError
+
+log = logging.getLogger("megascope.ws")
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+_LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?")
+
+
+def allowed_origins(host, extra=()):
+    """Origins a browser may connect from: localhost pages, pages of the server's own host, and ``extra``.
+    None (no Origin header: a non-browser client) is accepted; the token guards non-local hosts."""
+    origins = [None, _LOCAL_ORIGIN, *extra]
+    if host not in LOCAL_HOSTS and host not in ("0.0.0.0", "::"):
+        origins.append(re.compile(r"https?://" + re.escape(host) + r"(:\d+)?"))
+    return origins
+
+
+class RateLimit:
+    """Token bucket: ``rate`` messages per second, bursts of ``rate``."""
+
+    def __init__(self, rate):
+        self.rate = rate
+        self.tokens = float(rate)
+        self.last = time.monotonic()
+
+    def allow(self):
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.last) * self.rate)
+        self.last = now
+        if self.tokens < 1.0:
+            return False
+        self.tokens -= 1.0
+        return True
+
+
+class Client:
+    """One connection: a send queue fed from any thread, drained by the connection's own task."""
+
+    _numbers = itertools.count(1)
+
+    def __init__(self, server, connection):
+        self.number = next(self._numbers)
+        self.server = server
+        self.connection = connection
+        self.welcomed = False
+        self.closed = False
+        self.dropped_total = 0      # data frames dropped since the connection opened
+        self._dropped_unreported = 0
+        self._lock = threading.Lock()
+        self._sequence = itertools.count()
+        self._control = collections.deque()   # (sequence, text): never dropped
+        self._data = collections.deque()      # (sequence, bytes): bounded, oldest dropped
+        self._wake = asyncio.Event()
+
+    def send(self, message):
+        """Queue a JSON message (dict); thread-safe, never blocks, never dropped."""
+        self._put(self._control, encode_message(message))
+
+    def send_data(self, frame):
+        """Queue a binary data frame; thread-safe, never blocks; the oldest data frame goes when full."""
+        self._put(self._data, frame)
+
+    def _put(self, queue, item):
+        if self.closed:
+            return
+        with self._lock:
+            queue.append((next(self._sequence), item))
+            while len(self._data) > self.server.limits.send_queue_frames:
+                self._data.popleft()
+                self.dropped_total += 1
+                self._dropped_unreported += 1
+        self.server.loop.call_soon_threadsafe(self._wake.set)
+
+    def _next(self):
+        """The oldest queued item of either kind, a `dropped` report first when frames were dropped."""
+        with self._lock:
+            if self._dropped_unreported:
+                count, self._dropped_unreported = self._dropped_unreported, 0
+                return encode_message({"type": "dropped", "frames": count})
+            if self._control and (not self._data or self._control[0][0] < self._data[0][0]):
+                return self._control.popleft()[1]
+            if self._data:
+                return self._data.popleft()[1]
+            self._wake.clear()
+            return None
+
+    async def drain(self):
+        while True:
+            item = self._next()
+            if item is None:
+                await self._wake.wait()
+                continue
+            await self.connection.send(item)
+
+
+class WebSocketServer:
+    """``WebSocketServer(session, host, port, token=None, limits=Limits(), origins=()).start()``.
+
+    Port 0 picks a free port (``.port`` after start). A host other than 127.0.0.1/localhost/::1 needs a
+    token; without one a token is generated and printed."""
+
+    def __init__(self, session, host="127.0.0.1", port=5001, token=None, limits=Limits(), origins=()):
+        self.session = session
+        self.host = host
+        self.limits = limits
+        self.port = port
+        if token is None and host not in LOCAL_HOSTS:
+            token = secrets.token_urlsafe(24)
+            print(f"MegaScope WebSocket token (send it in hello): {token}", flush=True)
+        self.token = token
+        self.origins = allowed_origins(host, origins)
+        self.types = TRAINING_TYPES if session.mode == "training" else INFERENCE_TYPES
+        self.clients = set()
+        self.loop = None
+        self._ready = threading.Event()
+        self._failure = None
+        self._thread = None
+        self._stop = None
+
+    def start(self):
+        """Bind and serve on a daemon thread; raises UserError (one line) when the port cannot be bound."""
+        self._thread = threading.Thread(target=self._run, name="megascope-ws", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._failure is not None:
+            raise UserError(f"--ws-host/--ws-port: cannot listen on {self.host}:{self.port} ({self._failure}); "
+                            "pick a free port")
+        log.info("MegaScope WebSocket server on ws://%s:%d (protocol %d)", self.host, self.port, PROTOCOL_VERSION)
+        return self
+
+    def stop(self):
+        if self.loop is not None and self._stop is not None:
+            self.loop.call_soon_threadsafe(self._stop.set)
+            self._thread.join(timeout=10)
+
+    def broadcast(self, message):
+        """Send a JSON message to every welcomed client (thread-safe)."""
+        for client in list(self.clients):
+            if client.welcomed:
+                client.send(message)
+
+    def _run(self):
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.loop.run_until_complete(self._serve())
+        finally:
+            self.loop.close()
+
+    async def _serve(self):
+        self._stop = asyncio.Event()
+        try:
+            server = await serve(self._handle, self.host, self.port, origins=self.origins,
+                                 max_size=self.limits.max_message_bytes, ping_interval=20, ping_timeout=60)
+        except OSError as error:
+            self._failure = error.strerror or str(error)
+            self._ready.set()
+            return
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        async with server:
+            await self._stop.wait()
+
+    async def _handle(self, connection):
+        client = Client(self, connection)
+        self.clients.add(client)
+        sender = asyncio.create_task(client.drain())
+        rate = RateLimit(self.limits.max_messages_per_second)
+        try:
+            async for data in connection:
+                if not rate.allow():
+                    client.send(error_message("rate_limited", "too many messages; at most "
+                                              f"{self.limits.max_messages_per_second} per second"))
+                    continue
+                if not await self._dispatch(client, data):
+                    break
+        except websockets.ConnectionClosed:
+            pass
+        finally:
+            client.closed = True
+            self.clients.discard(client)
+            sender.cancel()
+            if client.welcomed:
+                self.session.on_disconnect(client)
+
+    async def _dispatch(self, client, data):
+        """Answer one frame; False when the connection must close (a token error)."""
+        message = None
+        try:
+            message = parse_message(data, self.types)
+            if message["type"] == "hello":
+                return await self._hello(client, message)
+            if not client.welcomed:
+                raise ProtocolError("unauthorized", "send hello first", "type")
+            if message["type"] == "ping":
+                client.send({"type": "pong", **_echo(message)})
+            else:
+                self.session.on_message(client, message)
+        except ProtocolError as error:
+            client.send(error_from(error, (message or {}).get("id")))
+        except Exception:  # a server bug: report it, keep serving
+            log.exception("MegaScope: failure while handling a %s message", (message or {}).get("type"))
+            client.send(error_message("internal", "the server failed on this message; see the server log",
+                                      id=(message or {}).get("id")))
+        return True
+
+    async def _hello(self, client, message):
+        if message["protocol"] != PROTOCOL_VERSION:
+            raise ProtocolError("bad_field", f"this server speaks protocol {PROTOCOL_VERSION}, not "
+                                f"{message['protocol']}", "protocol")
+        if self.token is not None and not hmac.compare_digest(
+                (message["token"] or "").encode(), self.token.encode()):
+            refusal = error_message("unauthorized", "missing or wrong token; use the token the server printed",
+                                    "token", message.get("id"))
+            await client.connection.send(encode_message(refusal))  # directly: the close follows at once
+            await client.connection.close(1008, "unauthorized")
+            return False
+        client.welcomed = True
+        client.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "mode": self.session.mode,
+                     **self.session.welcome_info(), "limits": self.limits.as_json(), **_echo(message)})
+        return True
+
+
+def _echo(message):
+    return {"id": message["id"]} if "id" in message else {}

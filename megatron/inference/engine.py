@@ -1,0 +1,174 @@
+"""Text generation with a KV cache at any TP/PP (and DP replicas), on CPU or GPU.
+
+The KV cache is megatron-core's ``StaticInferenceContext`` handed to ``GPTModel.forward``; each forward
+goes through megatron-core's forward-only pipeline schedule (megatron/inference/greedy.py's ``logits``),
+so pipeline stages pass activations as in training. Prompts of different lengths share one batch as in
+Megatron-LM: the prefill reads the shortest prompt's length, then every step reads one position of every
+row; a row still inside its prompt takes its prompt token, the others take the sampled one.
+
+Every rank calls ``generate`` with the same arguments. The last pipeline stage draws the tokens and
+broadcasts them (with their probabilities) to the stages before it. Between steps rank 0 may hand a
+small control message (cancel, a new capture, perturbations) to every rank, so all ranks agree.
+"""
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megatron.inference.greedy import logits as forward_logits
+from megatron.inference.sampling import Draw, draw
+
+
+@dataclass
+class Step:
+    """What one forward step produced: positions [start, end) were read and position ``end`` chosen for
+    every row; ``sampled`` lists the rows whose token there is generated (not a prompt token)."""
+    index: int
+    start: int
+    end: int
+    sampled: list
+    draw: Draw
+
+
+@dataclass
+class Generation:
+    tokens: list            # per prompt: prompt tokens and generated tokens
+    prompt_lengths: list
+    finish_reasons: list    # "length", "stop" or "cancelled"
+    logprobs: list | None   # per prompt: log-probability of every token after the first
+
+
+class NoObserver:
+    """What ``generate`` calls around each step; a session overrides it to stream and capture."""
+
+    def poll(self):
+        """Rank 0: a control message for every rank (a dict) or None."""
+        return None
+
+    def apply(self, control):
+        """Every rank: act on rank 0's control message; True stops the generation (cancel)."""
+        return False
+
+    def forward(self, index, start, end):
+        """Every rank: a context around one step's forward (where capture hooks live)."""
+        return contextlib.nullcontext()
+
+    def step_done(self, step):
+        """Every rank, inside ``forward``'s context, once the step's tokens are known."""
+
+
+def agree(obj, device):
+    """Rank 0's ``obj`` on every rank (nothing to send in a one-process job)."""
+    if torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
+class GenerationEngine:
+    def __init__(self, model, vocab_size, eod, max_sequence_length, device):
+        self.model = model
+        self.vocab_size = vocab_size
+        self.eod = eod
+        self.max_sequence_length = max_sequence_length
+        self.device = torch.device(device)
+
+    @torch.no_grad()
+    def generate(self, prompts, params, observer=None):
+        """``prompts``: lists of token ids; ``params``: SamplingParams. The same call on every rank."""
+        observer = observer or NoObserver()
+        batch = len(prompts)
+        lengths = [len(prompt) for prompt in prompts]
+        total = min(max(lengths) + params.tokens_to_generate, self.max_sequence_length)
+        tokens = torch.zeros(batch, total + 1, dtype=torch.long)  # a spare column: the last step's choice
+        for row, prompt in enumerate(prompts):
+            tokens[row, :len(prompt)] = torch.tensor(prompt)
+        generator = torch.Generator().manual_seed(params.random_seed)
+        stops = {self.eod, *params.stop_tokens}
+        generated = [0] * batch
+        finish = [None if params.tokens_to_generate > 0 else "length" for _ in prompts]
+        logprobs = [[] for _ in prompts] if params.logprobs else None
+
+        context = StaticInferenceContext(batch, total)
+        start, position, index = 0, min(lengths), 0
+        while True:
+            if observer.apply(agree(observer.poll() if torch.distributed.get_rank() == 0 else None,
+                                    self.device)):
+                finish = [reason or "cancelled" for reason in finish]
+                break
+            inputs = tokens[:, start:position].to(self.device)
+            with observer.forward(index, start, position):
+                step_logits = self._logits(inputs, start, context, params.logprobs and index == 0)
+                if logprobs is not None and index == 0:
+                    for row, values in enumerate(self._prompt_logprobs(step_logits, inputs).tolist()):
+                        logprobs[row].extend(values)
+                # A row still inside its prompt reads its prompt token (and reports its probabilities).
+                forced = torch.tensor([int(tokens[row, position]) if position < lengths[row] else -1
+                                       for row in range(batch)])
+                chosen = self._draw(step_logits, params, generator, forced)
+                sampled = [row for row in range(batch) if finish[row] is None and position >= lengths[row]]
+                for row in sampled:
+                    token = int(chosen.tokens[row])
+                    tokens[row, position] = token
+                    generated[row] += 1
+                    if token in stops:
+                        finish[row] = "stop"
+                    elif generated[row] == params.tokens_to_generate:
+                        finish[row] = "length"
+                if logprobs is not None:
+                    for row in range(batch):
+                        if position < lengths[row] or row in sampled:
+                            logprobs[row].append(float(chosen.logprobs[row]))
+                observer.step_done(Step(index, start, position, sampled, chosen))
+            context.increment_sequence_len_offset(position - start)
+            context.enable_decode_mode()
+            start, position, index = position, position + 1, index + 1
+            reading_prompts = any(position < length for length in lengths)
+            if position >= total or (all(finish) and not reading_prompts):
+                break
+        finish = [reason or "length" for reason in finish]  # the model's length ran out first
+        return Generation(tokens=[tokens[row, :lengths[row] + generated[row]].tolist() for row in range(batch)],
+                          prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs)
+
+    def _logits(self, inputs, start, context, all_positions):
+        """The last stage's [b, s or 1, vocab] float32 logits over the tokenizer's vocabulary, else None."""
+        context.materialize_only_last_token_logits = not all_positions
+        output = forward_logits(self.model, inputs, start, inference_context=context)
+        return None if output is None else output[..., :self.vocab_size].float()
+
+    def _from_last_stage(self, tensor, shape, dtype):
+        """``tensor`` of the last pipeline stage on every stage (as is without pipeline parallelism)."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        if tensor is not None:
+            buffer.copy_(tensor)
+        torch.distributed.broadcast(buffer, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                    group=parallel_state.get_pipeline_model_parallel_group())
+        return buffer.cpu()
+
+    def _prompt_logprobs(self, step_logits, inputs):
+        """[b, s - 1]: log p(token t | tokens before t) over the prefill's tokens."""
+        values = None
+        if step_logits is not None:
+            values = step_logits[:, :-1].log_softmax(dim=-1).gather(-1, inputs[:, 1:, None]).squeeze(-1)
+        return self._from_last_stage(values, (inputs.shape[0], inputs.shape[1] - 1), torch.float32).cpu()
+
+    def _draw(self, step_logits, params, generator, forced):
+        """The last stage draws; every stage receives the draw, packed in one float64 tensor."""
+        batch, k = forced.shape[0], min(params.topk_report, self.vocab_size)
+        packed = None
+        if step_logits is not None:
+            chosen = draw(step_logits[:, -1], params, generator, forced)
+            if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+                return chosen
+            packed = torch.cat([chosen.tokens[:, None].double(), chosen.probs[:, None].double(),
+                                chosen.logprobs[:, None].double(), chosen.topk_ids.double(),
+                                chosen.topk_probs.double()], dim=1)
+        packed = self._from_last_stage(packed, (batch, 3 + 2 * k), torch.float64)
+        return Draw(tokens=packed[:, 0].long(), probs=packed[:, 1].float(), logprobs=packed[:, 2].float(),
+                    topk_ids=packed[:, 3:3 + k].long(), topk_probs=packed[:, 3 + k:].float())

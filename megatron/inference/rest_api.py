@@ -1,0 +1,100 @@
+"""Megatron-LM's REST API on rank 0: ``PUT /api`` generates; other GET paths serve the MegaScope page's
+build (tools/visualization/transformer-visualize/dist) when it exists. See docs/megascope_protocol.md."""
+
+import json
+import logging
+import mimetypes
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+from megascope.errors import ProtocolError
+from megascope.wire import parse_rest_request
+from megatron.inference.prompts import sampling_fields
+from megatron.inference.service import Job, pick_seed
+
+log = logging.getLogger("megatron.inference.rest")
+MAX_BODY_BYTES = 1 << 20
+
+
+def rest_answer(generation, encoder, seed, with_logprobs):
+    """Megatron-LM's answer: full texts, per-token segments and ids, log-probabilities when asked."""
+    answer = {"text": [encoder.tokenizer.detokenize(tokens) for tokens in generation.tokens],
+              "segments": [[encoder.token_text(token) for token in tokens] for tokens in generation.tokens],
+              "tokens": generation.tokens, "finish_reason": generation.finish_reasons, "random_seed": seed}
+    if with_logprobs:
+        answer["logprobs"] = generation.logprobs
+    return answer
+
+
+class RestHandler(BaseHTTPRequestHandler):
+    server_version = "MegatronApp-generation"
+    # set by serve_rest: service, encoder, static_root
+
+    def log_message(self, format, *args):  # the default writes every request to stderr
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _reply(self, status, body, content_type="application/json"):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _refuse(self, status, message, field=None):
+        body = {"error": f"{field}: {message}" if field else message}
+        if field:
+            body["field"] = field
+        self._reply(status, body)
+
+    def do_PUT(self):
+        if self.path.rstrip("/") != "/api":
+            return self._refuse(HTTPStatus.NOT_FOUND, "PUT /api generates; nothing else takes PUT")
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY_BYTES:
+            return self._refuse(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes")
+        try:
+            body = json.loads(self.rfile.read(length) or b"null")
+        except ValueError:
+            return self._refuse(HTTPStatus.BAD_REQUEST, "the body is not valid JSON")
+        try:
+            request = parse_rest_request(body)
+            prompts = self.server.encoder.encode(request)
+            seed = pick_seed(request["random_seed"])
+            payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed)}
+            generation = self.server.service.run(Job(payload=payload))
+        except ProtocolError as error:
+            status = HTTPStatus.SERVICE_UNAVAILABLE if error.code == "busy" else HTTPStatus.BAD_REQUEST
+            return self._refuse(status, error.message, error.field)
+        except Exception:  # noqa: BLE001  a server failure: logged, answered, the server goes on
+            log.exception("generation failed")
+            return self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "generation failed; see the server log")
+        self._reply(HTTPStatus.OK, rest_answer(generation, self.server.encoder, seed, request["logprobs"]))
+
+    def do_GET(self):
+        root = self.server.static_root
+        if root is None:
+            return self._refuse(HTTPStatus.NOT_FOUND, "no page build here (tools/visualization/transformer-"
+                                "visualize/dist); use PUT /api or the WebSocket")
+        relative = self.path.split("?", 1)[0].lstrip("/") or "index.html"
+        path = (root / relative).resolve()
+        if not path.is_relative_to(root) or not path.is_file():
+            return self._refuse(HTTPStatus.NOT_FOUND, f"no file {relative}")
+        self._reply(HTTPStatus.OK, path.read_bytes(), mimetypes.guess_type(path.name)[0] or "application/octet-stream")
+
+    def _method_not_allowed(self):
+        self._refuse(HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /api")
+
+    do_POST = do_DELETE = do_PATCH = _method_not_allowed
+
+
+def serve_rest(service, encoder, host, port, static_root):
+    """Start the REST server on a daemon thread; returns it (``server_address`` has the bound port)."""
+    server = ThreadingHTTPServer((host, port), RestHandler)
+    server.daemon_threads = True
+    server.service, server.encoder = service, encoder
+    server.static_root = Path(static_root).resolve() if static_root and Path(static_root).is_dir() else None
+    threading.Thread(target=server.serve_forever, name="rest-api", daemon=True).start()
+    return server

@@ -1,0 +1,66 @@
+"""Choosing the next token: temperature, then top-k or top-p, then a seeded draw (Megatron-LM's order).
+
+Sampling runs on CPU in float32 with a ``torch.Generator`` seeded by the request, over logits that
+every layout computes alike (gathered over tensor parallelism, cut to the tokenizer's vocabulary), so the
+same seed draws the same tokens at every TP/PP/DP layout and on CPU or GPU.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = 0        # 0: off, 1: greedy
+    top_p: float = 0.0    # 0: off
+    random_seed: int = 0
+    stop_tokens: tuple = ()
+    tokens_to_generate: int = 32
+    topk_report: int = 5  # how many candidates of the sampled distribution each step reports
+    logprobs: bool = False
+
+
+@dataclass
+class Draw:
+    """One step's choice for every row: ``tokens`` [b], the sampled distribution's probability of each
+    (``probs``), the unmodified model's log-probability (``logprobs``), and the sampled distribution's
+    top candidates (``topk_ids``/``topk_probs`` [b, k], best first)."""
+    tokens: torch.Tensor
+    probs: torch.Tensor
+    logprobs: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_probs: torch.Tensor
+
+
+def sampling_distribution(logits, params):
+    """[b, vocab] float32 logits -> [b, vocab] probabilities of the distribution actually sampled from."""
+    if params.top_k == 1:
+        return torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
+    scaled = logits / params.temperature
+    if params.top_k > 1:
+        kth = scaled.topk(min(params.top_k, scaled.shape[-1]), dim=-1).values[:, -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    elif params.top_p > 0.0:
+        ordered, order = scaled.sort(dim=-1, descending=True)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        # Keep the smallest prefix reaching top_p: a token goes when the tokens before it already reach it.
+        drop = (cumulative - ordered.softmax(dim=-1)) >= params.top_p
+        scaled = scaled.scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+    return scaled.softmax(dim=-1)
+
+
+def draw(logits, params, generator, forced=None):
+    """Sample one token per row of ``logits`` [b, vocab]; rows where ``forced`` [b] is >= 0 take that token
+    (a prompt token still being read) and report its probabilities instead."""
+    logits = logits.float().cpu()
+    probs = sampling_distribution(logits, params)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+    if forced is not None:
+        tokens = torch.where(forced >= 0, forced.cpu(), tokens)
+    k = min(params.topk_report, probs.shape[-1])
+    topk_probs, topk_ids = probs.topk(k, dim=-1)
+    rows = torch.arange(tokens.shape[0])
+    return Draw(tokens=tokens, probs=probs[rows, tokens], logprobs=logits.log_softmax(dim=-1)[rows, tokens],
+                topk_ids=topk_ids, topk_probs=topk_probs)

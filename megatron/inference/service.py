@@ -1,0 +1,109 @@
+"""Every rank runs the model, rank 0 serves: the work queue between the servers (REST, WebSocket) and the
+ranks' generation loop.
+
+Rank 0's servers put jobs in a queue; ``serve_forever`` on every rank takes them in the same order:
+rank 0 broadcasts each job's data (never the job itself: it holds sockets and events), so every rank
+runs the same generation. With nothing to do, rank 0 sends an idle heartbeat now and then, so the
+other ranks' waiting broadcast never reaches the process group's timeout.
+"""
+
+import queue
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+from megascope.errors import ProtocolError
+from megatron.inference.engine import NoObserver, agree
+from megatron.inference.sampling import SamplingParams
+
+IDLE_HEARTBEAT_SECONDS = 30
+
+
+@dataclass
+class Job:
+    """``payload`` goes to every rank: {"kind": "generate", "prompts", "params": SamplingParams fields,
+    "session": session data} or {"kind": "control", ...} or {"kind": "stop"}. ``observer`` (rank 0) streams
+    the generation; ``done`` is set with ``result`` or ``error`` when it has run."""
+    payload: dict
+    observer: object = None
+    source: str = "rest"
+    done: threading.Event = field(default_factory=threading.Event)
+    cancelled: bool = False   # set by its requester: it ends at its next step and holds the model no longer
+    result: object = None
+    error: BaseException = None
+
+
+def pick_seed(seed):
+    return secrets.randbelow(2**31) if seed is None else seed
+
+
+class GenerationService:
+    """Rank 0's side: submit jobs; ``serve_forever`` runs them on every rank."""
+
+    def __init__(self, engine, device, observer_factory=None, on_control=None):
+        self.engine = engine
+        self.device = device
+        # Builds the observer of a generation on ranks other than 0 from the job's payload.
+        self.observer_factory = observer_factory or (lambda payload: NoObserver())
+        # Applies a control message between generations, on every rank (perturbations).
+        self.on_control = on_control or (lambda payload: None)
+        self._jobs = queue.Queue()
+        self._lock = threading.Lock()
+        self._unfinished = []   # submitted generations, in order, until they have run
+
+    def submit(self, job, refuse_if_busy):
+        """Queue ``job``; ProtocolError("busy") when ``refuse_if_busy`` and a generation is queued or
+        running, or whenever a WebSocket generation holds the model (cancelled ones do not count)."""
+        with self._lock:
+            holding = [other for other in self._unfinished if not other.cancelled]
+            if any(other.source == "websocket" for other in holding) or (refuse_if_busy and holding):
+                raise ProtocolError("busy", "a generation is running; wait for its generation_done")
+            self._unfinished.append(job)
+            self._jobs.put(job)
+
+    def run(self, job):
+        """Submit a REST job and wait for its result (REST requests take turns)."""
+        self.submit(job, refuse_if_busy=False)
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.result
+
+    def control(self, payload):
+        """Queue a control message for every rank while no generation runs (perturbations)."""
+        self._jobs.put(Job(payload={"kind": "control", **payload}, source="control"))
+
+    def stop(self):
+        self._jobs.put(Job(payload={"kind": "stop"}, source="control"))
+
+    def _next_job(self):
+        try:
+            return self._jobs.get(timeout=IDLE_HEARTBEAT_SECONDS)
+        except queue.Empty:
+            return Job(payload={"kind": "idle"}, source="control")
+
+    def serve_forever(self, rank):
+        """The loop of every rank; returns after a stop job."""
+        while True:
+            job = self._next_job() if rank == 0 else None
+            payload = agree(job.payload if job else None, self.device)
+            if payload["kind"] == "stop":
+                return
+            try:
+                if payload["kind"] == "control":
+                    self.on_control(payload)
+                elif payload["kind"] == "generate":
+                    observer = job.observer if job else self.observer_factory(payload)
+                    result = self.engine.generate(payload["prompts"], SamplingParams(**payload["params"]),
+                                                  observer)
+                    if job:
+                        job.result = result
+            except Exception as error:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
+                if not job:
+                    raise
+                job.error = error
+            finally:
+                if job and job.source != "control":
+                    with self._lock:
+                        self._unfinished.remove(job)
+                    job.done.set()

@@ -1,0 +1,95 @@
+"""Start tools/run_text_generation_server.py under torchrun for a test and talk to it (REST and WebSocket)."""
+
+import asyncio
+import json
+import re
+import subprocess
+import threading
+import urllib.error
+import urllib.request
+
+from websockets.asyncio.client import connect
+
+from launch import REPO, child_env, kill_process_tree, torchrun_command
+
+TINY_SERVER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+               "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
+               "--attention-dropout", "0", "--use-cpu-initialization", "--device", "cpu",
+               "--untie-embeddings-and-output-weights", "--init-method-std", "0.2",
+               "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
+               "--merge-file", str(REPO / "datasets/gpt/merges.txt"), "--global-batch-size", "1"]
+
+
+class GenerationServer:
+    """A running server: ``rest`` (http://...) and ``ws`` (ws://...) once it listens; ``stop()`` kills it."""
+
+    def __init__(self, nproc, args, timeout=300):
+        command = torchrun_command(nproc, "tools/run_text_generation_server.py",
+                                   [*args, "--port", "0", "--enable-ws-server", "--ws-port", "0"])
+        self.job = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+        self.lines = []
+        self._listening = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+        if not self._listening.wait(timeout) or self.job.poll() is not None:
+            self.stop()
+            raise AssertionError("the server did not start:\n" + "".join(self.lines[-40:]))
+        output = "".join(self.lines)
+        self.rest = re.search(r"REST API on (http://\S+)/api", output).group(1)
+        self.ws = re.search(r"MegaScope WebSocket on (ws://\S+)", output).group(1)
+
+    def _read(self):
+        for line in self.job.stdout:
+            self.lines.append(line)
+            if "MegaScope WebSocket on" in line:
+                self._listening.set()
+        self._listening.set()  # exited
+
+    def stop(self):
+        if self.job.poll() is None:
+            kill_process_tree(self.job.pid)
+        self.job.wait()
+
+    def put(self, body):
+        """(status, answer JSON) of PUT /api."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.rest + "/api", data=data, method="PUT",
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=300) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as error:
+            return error.code, json.loads(error.read())
+
+
+def websocket(server, **kwargs):
+    return connect(server.ws, max_size=None, **kwargs)
+
+
+async def send(ws, message):
+    await ws.send(json.dumps(message))
+
+
+async def receive(ws):
+    """The next JSON message (binary data frames are returned as bytes)."""
+    message = await ws.recv()
+    return message if isinstance(message, bytes) else json.loads(message)
+
+
+async def generation(ws, request):
+    """Send a generate and collect everything until generation_done: (messages, data frames)."""
+    await send(ws, request)
+    messages, frames = [], []
+    while True:
+        message = await receive(ws)
+        if isinstance(message, bytes):
+            frames.append(message)
+            continue
+        messages.append(message)
+        if message["type"] in ("generation_done", "error"):
+            return messages, frames
+
+
+def run(coroutine, timeout=300):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+

@@ -1,0 +1,145 @@
+"""tools/run_text_generation_server.py over real sockets: REST and WebSocket generation agree for a seed, at
+one rank and over a pipeline of two; bad requests get a 400 or an error frame naming the field and the
+server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it."""
+
+import json
+
+import pytest
+import websockets
+
+from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
+
+TOKEN = "test-token"
+PROMPTS = ["Hello world, this is", "The"]
+SAMPLED = {"prompts": PROMPTS, "tokens_to_generate": 6, "temperature": 0.8, "top_k": 40, "random_seed": 1234}
+
+
+@pytest.fixture(scope="module")
+def server():
+    # The WebSocket on 127.0.0.2: not a local host name, so it needs the token.
+    started = GenerationServer(1, TINY_SERVER + ["--ws-host", "127.0.0.2", "--ws-token", TOKEN,
+                                                 "--ws-max-message-bytes", "4096"])
+    yield started
+    started.stop()
+
+
+async def welcomed(ws):
+    await send(ws, {"type": "hello", "protocol": 1, "token": TOKEN})
+    assert (await receive(ws))["type"] == "welcome"
+
+
+def websocket_tokens(server, request):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            messages, _ = await generation(ws, {"type": "generate", "id": "s", **request})
+        return messages
+    messages = run(client())
+    assert messages[0]["type"] == "generation_started" and messages[-1]["type"] == "generation_done", messages[-1]
+    return messages
+
+
+def test_rest_and_websocket_give_the_same_tokens(server):
+    status, answer = server.put({**SAMPLED, "logprobs": True})
+    assert status == 200, answer
+    assert answer["random_seed"] == 1234 and answer["finish_reason"] == ["length", "length"]
+    assert [len(values) for values in answer["logprobs"]] == [len(tokens) - 1 for tokens in answer["tokens"]]
+    assert answer["text"][0].startswith(PROMPTS[0]) and "".join(answer["segments"][1]) == answer["text"][1]
+    messages = websocket_tokens(server, SAMPLED)
+    done = messages[-1]
+    started = messages[0]
+    prompt_ids = [[token["id"] for token in prompt] for prompt in started["prompt_tokens"]]
+    assert [p + g for p, g in zip(prompt_ids, done["tokens"])] == answer["tokens"]
+    streamed = {0: [], 1: []}
+    for message in messages[1:-1]:
+        for token in message["tokens"]:
+            streamed[token["prompt_index"]].append(token["token_id"])
+            assert 0 < token["prob"] <= 1 and token["topk"][0]["prob"] >= token["prob"] - 1e-6
+            assert len(token["topk"]) == 5
+    assert [streamed[0], streamed[1]] == done["tokens"]
+    assert server.put(SAMPLED)[1]["tokens"] == answer["tokens"]  # the same seed again
+
+
+@pytest.mark.parametrize("body, field", [({"prompts": "x"}, "prompts"), ({"prompts": ["x"], "top_k": 1.5}, "top_k"),
+                                         ({"prompts": ["x"], "top_k": 2, "top_p": 0.5}, "top_p"),
+                                         ({"prompts": ["x"], "beam_width": 4}, "beam_width"),
+                                         ({"prompts": ["x"], "tokens_to_generate": 500}, "tokens_to_generate"),
+                                         ({"prompts": ["x"], "stop_tokens": [10 ** 6]}, "stop_tokens"),
+                                         ({"prompts": ["x"], "chat": True}, "chat"),
+                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur")])
+def test_rest_refuses_each_bad_field_by_name(server, body, field):
+    status, answer = server.put(body)
+    assert status == 400 and answer["field"] == field, answer
+    assert server.put(b"{not json")[0] == 400
+
+
+def test_websocket_errors_and_the_server_goes_on(server):
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "generate", "prompts": ["x"]})
+            assert (await receive(ws))["code"] == "unauthorized"  # hello first
+            await welcomed(ws)
+            for text, code, field in [("{oops", "bad_json", None), ('{"type": "warp"}', "unknown_type", "type"),
+                                      ('{"type": "generate", "prompts": [3]}', "bad_field", "prompts"),
+                                      ('{"type": "generate", "prompts": ["x"], "top_k": 99999}', "bad_field", "top_k"),
+                                      ('{"type": "cancel", "id": "nothing"}', "bad_field", "id")]:
+                await ws.send(text)
+                error = await receive(ws)
+                assert (error["type"], error["code"], error.get("field")) == ("error", code, field), text
+            await send(ws, {"type": "ping", "padding": "x" * 5000})  # over --ws-max-message-bytes
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await receive(ws)
+            assert closed.value.rcvd.code == 1009
+        for token in (None, "wrong"):
+            async with websocket(server) as ws:
+                await send(ws, {"type": "hello", "protocol": 1, "token": token})
+                assert (await receive(ws))["code"] == "unauthorized"
+                with pytest.raises(websockets.ConnectionClosed):
+                    await receive(ws)
+
+    run(client())
+    assert websocket_tokens(server, SAMPLED)[-1]["finish_reason"] == ["length", "length"]
+
+
+def test_disconnect_mid_generation_cancels_and_the_next_client_is_served(server):
+    async def leave_early():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            await send(ws, {"type": "generate", "id": "long", "prompts": ["Once"], "tokens_to_generate": 50})
+            assert (await receive(ws))["type"] == "generation_started"
+            assert (await receive(ws))["type"] == "token"
+
+    async def cancel():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            await send(ws, {"type": "generate", "id": 9, "prompts": ["Once"], "tokens_to_generate": 50})
+            assert (await receive(ws))["type"] == "generation_started"
+            await send(ws, {"type": "cancel", "id": 9})
+            while (message := await receive(ws))["type"] != "generation_done":
+                assert message["type"] == "token"
+            return message
+
+    run(leave_early())
+    done = run(cancel())  # waits its turn (busy is never answered to a client whose model became free)
+    assert done["finish_reason"] == ["cancelled"] and len(done["tokens"][0]) < 50
+    assert websocket_tokens(server, SAMPLED)[-1]["finish_reason"] == ["length", "length"]
+
+
+def test_pipeline_of_two_serves_the_same_tokens(server):
+    reference = server.put(SAMPLED)[1]["tokens"]
+    pipeline = GenerationServer(2, TINY_SERVER + ["--pipeline-model-parallel-size", "2"])
+    try:
+        assert pipeline.put(SAMPLED)[1]["tokens"] == reference
+        messages = websocket_tokens_local(pipeline)
+        assert messages[-1]["finish_reason"] == ["length", "length"]
+    finally:
+        pipeline.stop()
+
+
+def websocket_tokens_local(server):
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1})
+            assert (await receive(ws))["type"] == "welcome"
+            return (await generation(ws, {"type": "generate", **SAMPLED}))[0]
+    return run(client())

@@ -1,0 +1,122 @@
+"""Megatron-LM's text generation server on our models, with MegaScope's WebSocket.
+
+    torchrun --nproc_per_node N tools/run_text_generation_server.py <model flags> --load CKPT \\
+        --tokenizer-type ... [--port 5000] [--enable-ws-server [--ws-host 127.0.0.1] [--ws-port 5001] [--ws-token T]]
+
+Every rank runs the model at its TP/PP (DP replicas run the same requests); rank 0 serves the REST API
+(PUT /api) and, with --enable-ws-server, the WebSocket of docs/megascope_protocol.md.
+Without --load the model keeps its seeded initialization.
+"""
+
+import functools
+import logging
+import os
+import sys
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
+import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
+import torch  # noqa: E402
+
+import pretrain_gpt  # noqa: E402
+from megascope.wire import Limits  # noqa: E402
+from megatron.inference.engine import GenerationEngine  # noqa: E402
+from megatron.inference.model_setup import setup_for_generation  # noqa: E402
+from megatron.inference.prompts import PromptEncoder, load_chat_template  # noqa: E402
+from megatron.inference.rest_api import serve_rest  # noqa: E402
+from megatron.inference.service import GenerationService  # noqa: E402
+from megatron.training.errors import ArgumentError, UserError, exit_on_user_error  # noqa: E402
+from megatron.training.initialize import shutdown  # noqa: E402
+
+PAGE_BUILD = os.path.join(REPO, "tools", "visualization", "transformer-visualize", "dist")
+
+
+def _server_args(parser):
+    g = parser.add_argument_group("text generation server")
+    g.add_argument("--port", type=int, default=5000, help="REST API port (PUT /api)")
+    g.add_argument("--host", default="127.0.0.1", help="REST API host")
+    g.add_argument("--enable-ws-server", action="store_true", help="serve MegaScope's WebSocket too")
+    g.add_argument("--ws-host", default="127.0.0.1", help="any other host than 127.0.0.1/localhost/::1 needs a token")
+    g.add_argument("--ws-port", type=int, default=5001)
+    g.add_argument("--ws-token", default=None, help="token clients send in hello (generated and printed when "
+                   "--ws-host is not local and none is given)")
+    g.add_argument("--ws-allowed-origins", default="", help="comma-separated page origins allowed besides "
+                   "localhost ones, e.g. https://scope.example:8443")
+    g.add_argument("--ws-max-message-bytes", type=int, default=Limits.max_message_bytes)
+    g.add_argument("--ws-max-messages-per-second", type=int, default=Limits.max_messages_per_second)
+    g.add_argument("--ws-send-queue-frames", type=int, default=Limits.send_queue_frames)
+    g.add_argument("--max-tokens-to-generate", type=int, default=Limits.max_tokens_to_generate)
+
+
+def _check(args):
+    if args.virtual_pipeline_model_parallel_size is not None:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage: the generation server runs one model chunk "
+                            "per pipeline rank; leave virtual pipelining out")
+    if args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel: generation reads one token per step, which cannot be split over "
+                            "the sequence; leave it out")
+    for flag in ("port", "ws_port"):
+        if not 0 <= getattr(args, flag) <= 65535:
+            raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: a port is 0..65535")
+    for flag in ("ws_max_message_bytes", "ws_max_messages_per_second", "ws_send_queue_frames",
+                 "max_tokens_to_generate"):
+        if getattr(args, flag) < 1:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")
+
+
+def _start_websocket(args, service, encoder, model, limits):
+    from megascope.inference_session import InferenceSession
+    from megascope.ws_server import WebSocketServer
+    session = InferenceSession(service, encoder, model, args, limits)
+    origins = [origin.strip() for origin in args.ws_allowed_origins.split(",") if origin.strip()]
+    session.server = WebSocketServer(session, args.ws_host, args.ws_port, args.ws_token, limits, origins).start()
+    print(f"MegaScope WebSocket on ws://{args.ws_host}:{session.server.port}", flush=True)
+
+
+def _observer_factory(args, model):
+    def build(payload):
+        if "scope" not in payload:
+            return None
+        from megascope.inference_session import ScopeObserver
+        return ScopeObserver(payload["scope"], model, args)
+    return build
+
+
+def _apply_control(args, model, payload):
+    if "perturbations" in payload:
+        from megascope.inference_session import apply_perturbations
+        apply_perturbations(model, args, payload["perturbations"])
+
+
+@exit_on_user_error
+def main():
+    args, model, tokenizer = setup_for_generation(sys.argv[1:], "run_text_generation_server.py",
+                                                  pretrain_gpt.model_provider, extra_args_provider=_server_args)
+    _check(args)
+    max_length = args.max_position_embeddings or args.seq_length
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    engine = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, max_length, device)
+    service = GenerationService(engine, device, _observer_factory(args, model),
+                                functools.partial(_apply_control, args, model))
+    rank = torch.distributed.get_rank()
+    if rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        limits = Limits(max_message_bytes=args.ws_max_message_bytes,
+                        max_messages_per_second=args.ws_max_messages_per_second,
+                        send_queue_frames=args.ws_send_queue_frames,
+                        max_tokens_to_generate=args.max_tokens_to_generate)
+        encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)
+        try:
+            rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD)
+        except OSError as error:
+            raise UserError(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({error.strerror}); "
+                            "pick a free port") from None
+        print(f"REST API on http://{args.host}:{rest.server_address[1]}/api (PUT)", flush=True)
+        if args.enable_ws_server:
+            _start_websocket(args, service, encoder, model, limits)
+    service.serve_forever(rank)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
