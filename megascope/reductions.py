@@ -54,7 +54,7 @@ class Reduction:
             raise ProtocolError("bad_reduction", f"mean_heads needs a hook with heads; {hook!r} has none", field)
 
     def apply(self, values, dims):
-        """values [tokens, *dims] (float32) -> (reduced values, their dims)."""
+        """values [tokens, *dims] (float32) -> (reduced values [tokens, ...], their dims after the token dim)."""
         dims = list(dims)
         if self.kind == "none":
             return values, dims
@@ -62,7 +62,7 @@ class Reduction:
             return values.norm(dim=-1), dims[:-1]
         if self.kind == "mean_heads":
             axis = dims.index("head")
-            return values.mean(dim=axis), dims[:axis] + dims[axis + 1:]
+            return values.mean(dim=axis + 1), dims[:axis] + dims[axis + 1:]  # values have the token dim first
         if self.kind == "slice":
             start, end = self.args
             return values[..., start:end], dims

@@ -1,0 +1,71 @@
+"""MegaScope's declarative parts: capture specs and reductions are validated (bad input is a
+ProtocolError naming the field), reductions compute what they say, PCA equals numpy's SVD."""
+
+import numpy as np
+import pytest
+import torch
+
+from megascope.capture_spec import CaptureSpec
+from megascope.errors import ProtocolError
+from megascope.pca import pca_2d
+from megascope.reductions import Reduction
+
+
+@pytest.mark.parametrize("text", ["mean", "bins(0)", "bins(5000)", "slice(3,3)", "slice(4)", "topk_abs(2,3)",
+                                  "__import__('os')", "bins(n)", 7, None])
+def test_malformed_or_unknown_reduction_is_a_bad_reduction_error(text):
+    with pytest.raises(ProtocolError) as error:
+        Reduction.parse(text)
+    assert error.value.code == "bad_reduction" and error.value.field == "reduction"
+
+
+def test_reductions_compute_what_they_say():
+    values = torch.arange(2 * 4 * 6, dtype=torch.float32).reshape(2, 4, 6) - 20  # [token, head, d_head]
+    dims = ["head", "d_head"]
+    assert torch.equal(Reduction.parse("norm").apply(values, dims)[0], values.norm(dim=-1))
+    reduced, reduced_dims = Reduction.parse("mean_heads").apply(values, dims)
+    assert torch.equal(reduced, values.mean(dim=1)) and reduced_dims == ["d_head"]
+    assert torch.equal(Reduction.parse("slice(1,3)").apply(values, dims)[0], values[..., 1:3])
+    assert torch.equal(Reduction.parse("bins(3)").apply(values, dims)[0],
+                       values.reshape(2, 4, 3, 2).mean(dim=-1))
+    pairs, pair_dims = Reduction.parse("topk_abs(2)").apply(torch.tensor([[1.0, -5.0, 3.0]]), ["hidden"])
+    assert pairs.tolist() == [[[1.0, -5.0], [2.0, 3.0]]] and pair_dims == ["topk", "index_value"]
+    assert Reduction.parse(" bins( 8 ) ") == Reduction("bins", (8,)) and str(Reduction("slice", (1, 3))) == "slice(1,3)"
+
+
+@pytest.mark.parametrize("spec, code, field", [
+    ({"hooks": ["attn.nope"]}, "bad_hook", "hooks"),
+    ({"hooks": "embed"}, "bad_field", "hooks"),
+    ({"hooks": ["embed"], "reduction": "mean_heads"}, "bad_reduction", "reduction"),
+    ({"hooks": ["attn.q"], "reductions": {"attn.q": "bins(x)"}}, "bad_reduction", "reductions.attn.q"),
+    ({"hooks": ["embed"], "reductions": {"logits": "norm"}}, "bad_field", "reductions"),
+    ({"hooks": ["embed"], "layers": [3, 1]}, "bad_field", "layers"),
+    ({"hooks": ["embed"], "tokens": [0]}, "bad_field", "tokens"),
+    ({"hooks": ["embed"], "topk": 0}, "bad_field", "topk"),
+    ({"hooks": ["embed"], "pca": {"hook": "resid_post", "layer": 1}}, "bad_field", "pca.hook"),
+    ({"hooks": ["resid_post"], "pca": {"hook": "resid_post"}}, "bad_field", "pca.layer"),
+    ({"hooks": ["embed"], "code": "print(1)"}, "bad_field", "code"),
+])
+def test_bad_capture_specs_name_the_field(spec, code, field):
+    with pytest.raises(ProtocolError) as error:
+        CaptureSpec.from_json(spec)
+    assert (error.value.code, error.value.field) == (code, field)
+
+
+def test_a_full_capture_spec_parses():
+    spec = CaptureSpec.from_json({"hooks": ["attn.pattern", "resid_post"], "layers": [1, 3], "tokens": [0, 8],
+                                  "reduction": "norm", "reductions": {"attn.pattern": "mean_heads"}, "topk": 3,
+                                  "logit_lens": True, "pca": {"hook": "resid_post", "layer": 2}, "sample": 1})
+    assert str(spec.reduction_for("attn.pattern")) == "mean_heads" and str(spec.reduction_for("resid_post")) == "norm"
+    assert spec.wants_layer(2) and not spec.wants_layer(3) and spec.wants_token(7) and not spec.wants_token(8)
+
+
+def test_pca_equals_numpys_svd():
+    data = np.random.default_rng(0).normal(size=(40, 16)) @ np.diag(np.linspace(3, 0.1, 16))
+    coords, ratio = pca_2d(torch.tensor(data, dtype=torch.float32))
+    centered = data - data.mean(axis=0)
+    u, s, vt = np.linalg.svd(centered, full_matrices=False)
+    expected = centered @ vt[:2].T
+    expected *= np.sign(vt[np.arange(2), np.abs(vt[:2]).argmax(axis=1)])  # the documented sign convention
+    np.testing.assert_allclose(coords.numpy(), expected, atol=1e-4)
+    np.testing.assert_allclose(ratio.numpy(), (s[:2] ** 2) / (s ** 2).sum(), rtol=1e-5)
