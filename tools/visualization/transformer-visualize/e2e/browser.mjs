@@ -53,6 +53,13 @@ export async function screenshot(page, name) {
   console.log(`screenshot ${file}`);
 }
 
+/** On a failure: what the page showed (its error frames, the connection detail) and a screenshot. */
+export async function reportFailure(page) {
+  const shown = await page.$$eval('[data-test=errors] .error, [data-test=detail]', (nodes) => nodes.map((n) => n.textContent.trim())).catch(() => []);
+  if (shown.length) console.error(`the page shows:\n  ${shown.join('\n  ')}`);
+  await screenshot(page, 'failure').catch(() => {});
+}
+
 export async function connect(page, pageUrl, wsUrl, mode) {
   await page.goto(`${pageUrl}?url=${encodeURIComponent(wsUrl)}`);
   await page.click('[data-test=connect]');

@@ -3,7 +3,7 @@
 // attention canvas painted, one PCA point per token, a perturbation changes the tokens and removing it
 // restores them. Screenshots of every view.
 //   MEGASCOPE_HTTP=http://127.0.0.1:5000 MEGASCOPE_WS=ws://127.0.0.1:5001/ node e2e/inference.mjs
-import { check, connect, launch, paintedPixels, screenshot } from './browser.mjs';
+import { check, connect, launch, reportFailure, paintedPixels, screenshot } from './browser.mjs';
 
 const HTTP = process.env.MEGASCOPE_HTTP;
 const WS = process.env.MEGASCOPE_WS;
@@ -86,6 +86,9 @@ async function main() {
     await page.waitForSelector('[data-test=compare-summary]', { timeout: 120000 });
     await screenshot(page, 'perturbations');
     await page.click('[data-test=clear-perturbations]');
+  } catch (error) {
+    await reportFailure(page);
+    throw error;
   } finally {
     await browser.close();
   }

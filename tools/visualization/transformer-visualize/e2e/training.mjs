@@ -1,7 +1,7 @@
 // End-to-end, training mode, against a real run (pretrain_gpt.py --training-ws-port): live iterations,
 // pause / step 2 / resume move the iteration counter by exactly what was asked, then stop.
 //   MEGASCOPE_WS=ws://127.0.0.1:5002/ node e2e/training.mjs
-import { check, connect, launch, screenshot, serveDist } from './browser.mjs';
+import { check, connect, launch, reportFailure, screenshot, serveDist } from './browser.mjs';
 
 const WS = process.env.MEGASCOPE_WS;
 const STEPS = 2;
@@ -43,6 +43,9 @@ async function main() {
     console.log(`paused at ${paused.iteration}, stepped to ${stepped.iteration}, resumed to ${(await counter(page)).iteration}`);
     await page.click('[data-test=stop]');
     await waitForCounter(page, { state: 'stopping' }, 'the stopping state');
+  } catch (error) {
+    await reportFailure(page);
+    throw error;
   } finally {
     await browser.close();
     server.close();
