@@ -33,3 +33,8 @@ echo "  data:        $OUT_DIR/data/gpt_text_document.{bin,idx}"
 echo "  checkpoint:  $OUT_DIR/checkpoints/iter_$(printf %07d "$(cat "$OUT_DIR/checkpoints/latest_checkpointed_iteration.txt")")"
 echo "  log:         $OUT_DIR/train.log"
 echo "  traces:      $TRACE_DIR (merged timeline: $TRACE_DIR/benchmark.json, open in ui.perfetto.dev)"
+echo
+echo "serve the checkpoint (REST on :5000, MegaScope WebSocket on :5001):"
+echo "  NPROC=$NPROC TP=$TP PP=$PP DEVICE=$DEVICE bash examples/inference/a_text_generation_server_bash_script.sh" \
+     "$OUT_DIR/checkpoints datasets/gpt --num-layers 4 --hidden-size 128 --num-attention-heads 4" \
+     "--ffn-hidden-size 512 --seq-length 128 --max-position-embeddings 128"

@@ -23,10 +23,11 @@ TINY_SERVER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
 class GenerationServer:
     """A running server: ``rest`` (http://...) and ``ws`` (ws://...) once it listens; ``stop()`` kills it."""
 
-    def __init__(self, nproc, args, timeout=300):
-        command = torchrun_command(nproc, "tools/run_text_generation_server.py",
-                                   [*args, "--port", "0", "--enable-ws-server", "--ws-port", "0"])
-        self.job = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+    def __init__(self, nproc, args, timeout=300, command=None, env=None):
+        """torchrun of the server with ``args`` on ``nproc`` ranks, or ``command`` (e.g. an example script)."""
+        command = command or torchrun_command(nproc, "tools/run_text_generation_server.py",
+                                              [*args, "--port", "0", "--enable-ws-server", "--ws-port", "0"])
+        self.job = subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self._listening = threading.Event()

@@ -4,9 +4,11 @@ server goes on; a token guards a non-local WebSocket host; a client leaving mid-
 
 import json
 
+import numpy as np
 import pytest
 import websockets
 
+from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
 
 TOKEN = "test-token"
@@ -18,7 +20,7 @@ SAMPLED = {"prompts": PROMPTS, "tokens_to_generate": 6, "temperature": 0.8, "top
 def server():
     # The WebSocket on 127.0.0.2: not a local host name, so it needs the token.
     started = GenerationServer(1, TINY_SERVER + ["--ws-host", "127.0.0.2", "--ws-token", TOKEN,
-                                                 "--ws-max-message-bytes", "4096"])
+                                                 "--ws-max-message-bytes", "4096", "--ws-send-queue-frames", "8"])
     yield started
     started.stop()
 
@@ -125,21 +127,63 @@ def test_disconnect_mid_generation_cancels_and_the_next_client_is_served(server)
     assert websocket_tokens(server, SAMPLED)[-1]["finish_reason"] == ["length", "length"]
 
 
-def test_pipeline_of_two_serves_the_same_tokens(server):
+CAPTURE = {"hooks": ["attn.pattern", "resid_post"], "layers": [1, 3], "logit_lens": True, "topk": 3}
+
+
+def captured(server, token=None):
+    """Messages and decoded data frames of SAMPLED with CAPTURE."""
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            await send(ws, {"type": "generate", "id": "c", "capture": CAPTURE, **SAMPLED})
+            replies = []
+            while True:
+                replies.append(await receive(ws))
+                if isinstance(replies[-1], dict) and replies[-1]["type"] in ("generation_done", "error"):
+                    return replies
+    replies = run(client())
+    frames = [decode_data_frame(reply) for reply in replies if isinstance(reply, bytes)]
+    return [reply for reply in replies if isinstance(reply, dict)], frames
+
+
+def expected_frames(messages):
+    steps = 1 + max(message["step"] for message in messages if message["type"] == "token")
+    return steps * 2 * 2 * len(PROMPTS)  # steps x hooks x layers x prompts
+
+
+def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
+    messages, frames = captured(server, TOKEN)
+    done = messages[-1]
+    assert done["type"] == "generation_done", done
+    expected = expected_frames(messages)
+    reported = sum(message["frames"] for message in messages if message["type"] == "dropped")
+    assert len(frames) + done["dropped_frames"] == expected and reported == done["dropped_frames"]
+    for header, values in frames:
+        assert header["layer"] in (1, 2) and header["hook"] == f"blocks.{header['layer']}.{header['hook'].split('.', 2)[2]}"
+        start, end = header["tokens"]
+        if header["hook"].endswith("attn.pattern"):
+            assert values.shape == (end - start, 4, end) and np.allclose(values.sum(-1), 1, atol=1e-2)
+    lens = [message for message in messages if message["type"] == "logit_lens"]
+    assert lens and all([layer["layer"] for layer in message["layers"]] == [1, 2] and
+                        len(message["layers"][0]["topk"]) == 3 for message in lens)
+
+
+def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
     reference = server.put(SAMPLED)[1]["tokens"]
     pipeline = GenerationServer(2, TINY_SERVER + ["--pipeline-model-parallel-size", "2"])
     try:
         assert pipeline.put(SAMPLED)[1]["tokens"] == reference
-        messages = websocket_tokens_local(pipeline)
-        assert messages[-1]["finish_reason"] == ["length", "length"]
+        one_stage = {(h["hook"], h["prompt_index"], h["step"]): v for h, v in captured(server, TOKEN)[1]}
+        messages, frames = captured(pipeline)
+        assert messages[-1]["dropped_frames"] == 0 and len(frames) == expected_frames(messages)
+        # layer 1 lives on the first stage, layer 2 on the second: both reach rank 0, equal to one stage's
+        compared = 0
+        for header, values in frames:
+            key = (header["hook"], header["prompt_index"], header["step"])
+            if key in one_stage:
+                np.testing.assert_allclose(values, one_stage[key], atol=2e-3)
+                compared += 1
+        assert compared > 0 and {h["layer"] for h, _ in frames} == {1, 2}
     finally:
         pipeline.stop()
-
-
-def websocket_tokens_local(server):
-    async def client():
-        async with websocket(server) as ws:
-            await send(ws, {"type": "hello", "protocol": 1})
-            assert (await receive(ws))["type"] == "welcome"
-            return (await generation(ws, {"type": "generate", **SAMPLED}))[0]
-    return run(client())
