@@ -85,6 +85,15 @@ class CaptureSpec:
                    topk=_int(obj.get("topk", 5), "topk", 1, MAX_TOPK), logit_lens=logit_lens,
                    pca=_pca(obj.get("pca"), hooks), sample=_int(obj.get("sample", 0), "sample"))
 
+    def to_json(self):
+        """The normalised spec (every default filled in), as a client would send it."""
+        return {"hooks": list(self.hooks), "layers": None if self.layers is None else list(self.layers),
+                "tokens": None if self.tokens is None else list(self.tokens), "reduction": str(self.reduction),
+                "reductions": {hook: str(r) for hook, r in self.reductions.items()}, "topk": self.topk,
+                "logit_lens": self.logit_lens,
+                "pca": None if self.pca is None else {"hook": self.pca.hook, "layer": self.pca.layer},
+                "sample": self.sample}
+
     def reduction_for(self, hook):
         return self.reductions.get(hook, self.reduction)
 

@@ -4,12 +4,13 @@ import torch
 
 
 def pca_2d(vectors):
-    """vectors [n, d] -> (coords [n, 2], explained_variance_ratio [2]), float32.
+    """vectors [n, ...] (tensor or numpy array) -> (coords [n, 2], explained_variance_ratio [2]), float32 tensors.
 
     Centered, then SVD in float64. Each component's sign is fixed so that its largest-magnitude loading
     is positive: the same data gives the same picture on every call. Missing components (n < 3 or
     d < 2) are zeros."""
-    data = vectors.reshape(vectors.size(0), -1).double()
+    data = torch.as_tensor(vectors)
+    data = data.reshape(data.shape[0], -1).double()
     centered = data - data.mean(dim=0, keepdim=True)
     _, singular, right = torch.linalg.svd(centered, full_matrices=False)
     count = min(2, singular.numel())

@@ -69,3 +69,4 @@ def test_pca_equals_numpys_svd():
     expected *= np.sign(vt[np.arange(2), np.abs(vt[:2]).argmax(axis=1)])  # the documented sign convention
     np.testing.assert_allclose(coords.numpy(), expected, atol=1e-4)
     np.testing.assert_allclose(ratio.numpy(), (s[:2] ** 2) / (s ** 2).sum(), rtol=1e-5)
+    np.testing.assert_allclose(pca_2d(data.astype(np.float32))[0].numpy(), coords.numpy())  # numpy input too

@@ -1,0 +1,267 @@
+"""Seeded, declarative perturbations of a running model (validated, never evaluated).
+
+    {"id", "kind", "target", "noise", "scale", "seed", "layers", "enabled"}
+
+kind     target                                         acts on
+storage  attn.qkv attn.proj mlp.fc1 mlp.fc2 ln1 ln2     the weights (and biases) of those modules, in place,
+         embed                                          until removed; removal restores them bit for bit
+calc.    embed ln1 attn.out mlp.pre mlp.out final_norm  that hook's output during every forward
+system   resid                                          the residual stream after each chosen layer
+noise: gaussian x + N(0, scale^2); uniform x * U(1 - scale, 1 + scale); bitflip: each bit of the 16-bit
+(bf16/fp16) storage flipped with probability `scale` (fp32 tensors: the upper 16 bits, i.e. their
+bf16 part); constant x + scale.
+
+Layout invariance: noise is drawn for the whole (unsharded) tensor from a generator seeded by the
+perturbation's seed and the tensor's global name (layer numbers of the whole model), then this rank's
+shard is taken; activation noise also counts the forwards since the set was applied. So the same
+seed perturbs the same numbers at every TP/PP layout.
+"""
+
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+from megatron.core import parallel_state
+
+from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
+
+from megascope.errors import ProtocolError
+from megascope.hooks import global_layer_index, unwrap_model
+
+STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
+                   "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "ln1": "input_layernorm",
+                   "ln2": "pre_mlp_layernorm", "embed": None}
+CALCULATION_TARGETS = ("embed", "ln1", "attn.out", "mlp.pre", "mlp.out", "final_norm")
+TARGETS = {"storage": tuple(STORAGE_TARGETS), "calculation": CALCULATION_TARGETS, "system": ("resid",)}
+NOISE_TYPES = ("gaussian", "uniform", "bitflip", "constant")
+_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def _bad(message, field):
+    return ProtocolError("bad_field", message, field)
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    id: object
+    kind: str
+    target: str
+    noise: str
+    scale: float
+    seed: int = 0
+    layers: tuple | None = None
+    enabled: bool = True
+
+    @classmethod
+    def from_json(cls, obj):
+        if not isinstance(obj, dict):
+            raise _bad("a perturbation is a JSON object", "perturbation")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(obj) - known)
+        if unknown:
+            raise _bad(f"unknown perturbation field {unknown[0]!r}; known: {', '.join(sorted(known))}", unknown[0])
+        kind = obj.get("kind")
+        if kind not in TARGETS:
+            raise _bad(f"kind must be one of {', '.join(TARGETS)}", "kind")
+        target = obj.get("target")
+        if target not in TARGETS[kind]:
+            raise _bad(f"target of a {kind} perturbation must be one of {', '.join(TARGETS[kind])}", "target")
+        noise = obj.get("noise")
+        if noise not in NOISE_TYPES:
+            raise _bad(f"noise must be one of {', '.join(NOISE_TYPES)}", "noise")
+        scale = obj.get("scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (abs(scale) < 1e6):
+            raise _bad("scale must be a finite number", "scale")
+        if noise in ("gaussian", "uniform") and scale < 0 or noise == "bitflip" and not 0 <= scale <= 1:
+            raise _bad("scale must be >= 0 (gaussian, uniform) or a rate from 0 to 1 (bitflip)", "scale")
+        seed = obj.get("seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**31:
+            raise _bad("seed must be an integer from 0 to 2^31 - 1", "seed")
+        layers = obj.get("layers")
+        if layers is not None and (not isinstance(layers, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+            raise _bad("layers must be a list of layer indices (from 0) or null for all", "layers")
+        enabled = obj.get("enabled", True)
+        if not isinstance(enabled, bool):
+            raise _bad("enabled must be true or false", "enabled")
+        return cls(obj.get("id"), kind, target, noise, float(scale), seed,
+                   None if layers is None else tuple(layers), enabled)
+
+    def to_json(self):
+        obj = asdict(self)
+        obj["layers"] = None if self.layers is None else list(self.layers)
+        return obj
+
+    def wants_layer(self, layer):
+        return self.layers is None or layer in self.layers
+
+
+def _generator(seed, name):
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+
+
+def _bits_type(dtype):
+    if dtype in (torch.bfloat16, torch.float16):
+        return torch.int16
+    if dtype == torch.float32:
+        return torch.int32
+    raise ValueError(f"bit flips need a bf16, fp16 or fp32 tensor, not {dtype}")
+
+
+def draw_noise(p, shape, dtype, name):
+    """The noise of perturbation ``p`` for a whole tensor of ``shape``, on CPU: additive values
+    (gaussian), factors (uniform), XOR masks of the storage bits (bitflip), or None (constant)."""
+    generator = _generator(p.seed, name)
+    if p.noise == "gaussian":
+        return torch.randn(shape, generator=generator) * p.scale
+    if p.noise == "uniform":
+        return 1 + (torch.rand(shape, generator=generator) * 2 - 1) * p.scale
+    if p.noise == "bitflip":
+        flips = torch.rand((*shape, 16), generator=generator) < p.scale
+        mask = (flips.to(torch.int32) << torch.arange(16, dtype=torch.int32)).sum(dim=-1, dtype=torch.int32)
+        bits = _bits_type(dtype)
+        return (mask << 16) if bits == torch.int32 else mask.to(torch.int16)  # fp32: its upper (bf16) half
+    return None
+
+
+def apply_noise(values, p, noise):
+    """``values`` perturbed by this rank's piece of the drawn noise. Autograd flows through: the noise
+    is a constant; flipped bits pass the gradient straight through."""
+    if p.noise == "constant":
+        return values + p.scale
+    if p.noise == "gaussian":
+        return values + noise.to(values)
+    if p.noise == "uniform":
+        return values * noise.to(values)
+    bits = _bits_type(values.dtype)
+    flipped = (values.detach().contiguous().view(bits) ^ noise.to(values.device)).view(values.dtype)
+    return values + (flipped - values).detach() if values.requires_grad else flipped
+
+
+def _sequence_shard(whole):
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return whole.chunk(tp, dim=0)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+def _column_shard(whole):
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return whole.chunk(tp, dim=-1)[parallel_state.get_tensor_model_parallel_rank()]
+
+
+class PerturbationSet:
+    """The active perturbations of this rank's model chunks; every rank of the job holds the same set."""
+
+    def __init__(self, model_chunks, args=None):
+        self.chunks = list(model_chunks)
+        self.models = [unwrap_model(chunk) for chunk in self.chunks]
+        self.active = []
+        self.originals = {}     # parameter -> its untouched copy (exact restore)
+        self.handles = []
+        self.forward_counts = {}
+
+    # -- the set ------------------------------------------------------------------------------
+    def replace(self, perturbations):
+        self.clear()
+        self.active = list(perturbations)
+        self.apply_storage()
+        for p in self.active:
+            if p.enabled and p.kind != "storage":
+                self._install(p)
+
+    def clear(self):
+        self.restore_storage()
+        for handle in self.handles:
+            handle.remove()
+        self.handles, self.active, self.forward_counts = [], [], {}
+
+    def as_json(self):
+        return [p.to_json() for p in self.active]
+
+    # -- storage ------------------------------------------------------------------------------
+    def _storage_parameters(self, p):
+        """(global name, parameter) pairs this storage perturbation touches on this rank."""
+        for chunk, model in zip(self.chunks, self.models):
+            names = _global_names(model)
+            for name, param in model.named_parameters():
+                global_name = names[name]
+                if p.target == "embed":
+                    if global_name == _WORD_EMBEDDING:  # also the last stage's copy of a tied embedding
+                        yield global_name, param
+                    continue
+                parts = global_name.split(".")
+                if len(parts) < 4 or parts[0] != "decoder" or parts[1] != "layers":
+                    continue
+                module_path = ".".join(parts[3:-1])
+                if module_path == STORAGE_TARGETS[p.target] and p.wants_layer(int(parts[2])):
+                    yield global_name, param
+
+    @torch.no_grad()
+    def apply_storage(self):
+        """Add the storage noise to the weights (saving exact copies first)."""
+        for p in self.active:
+            if not (p.enabled and p.kind == "storage"):
+                continue
+            for global_name, param in self._storage_parameters(p):
+                self.originals.setdefault(param, param.detach().clone())
+                noise = draw_noise(p, _full_shape(param), param.dtype, global_name)
+                param.copy_(apply_noise(param, p, None if noise is None else _this_ranks_shard(noise, param)))
+
+    @torch.no_grad()
+    def restore_storage(self):
+        """Put back the exact weights (training: before the optimizer step)."""
+        for param, original in self.originals.items():
+            param.copy_(original)
+        self.originals = {}
+
+    # -- calculation and system ---------------------------------------------------------------
+    def _install(self, p):
+        sequence = self._sequence_piece
+        for model in self.models:
+            if p.target == "embed":
+                if model.pre_process:
+                    self._hook_output(model.embedding, p, "embed", sequence)
+                continue
+            if p.target == "final_norm":
+                if model.post_process and getattr(model.decoder, "final_layernorm", None) is not None:
+                    self._hook_output(model.decoder.final_layernorm, p, "final_norm", sequence)
+                continue
+            for layer in model.decoder.layers:
+                index = global_layer_index(layer)
+                if not p.wants_layer(index):
+                    continue
+                name = f"blocks.{index}.{p.target}"
+                if p.target == "mlp.pre":  # the input of fc2, split by columns over TP
+                    self.handles.append(layer.mlp.linear_fc2.register_forward_pre_hook(
+                        lambda _m, args, p=p, name=name: (self._noisy(args[0], p, name, _column_shard, -1),
+                                                          *args[1:])))
+                    continue
+                module = {"resid": layer, "ln1": layer.input_layernorm, "attn.out": layer.self_attention,
+                          "mlp.out": layer.mlp}[p.target]
+                self._hook_output(module, p, name, sequence)
+
+    @property
+    def _sequence_piece(self):
+        """Hidden activations are whole on every TP rank, but sequence-split under sequence parallelism."""
+        split = self.models[0].config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+        return _sequence_shard if split else None
+
+    def _hook_output(self, module, p, name, shard):
+        def hook(_module, _inputs, output):
+            if not isinstance(output, tuple):
+                return self._noisy(output, p, name, shard, 0)
+            main, bias = output[0], output[1] if len(output) > 1 else None
+            if name.endswith(("attn.out", "mlp.out")) and bias is not None:  # the output includes its bias
+                return (self._noisy(main + bias, p, name, shard, 0), None)
+            return (self._noisy(main, p, name, shard, 0), *output[1:])
+        self.handles.append(module.register_forward_hook(hook))
+
+    def _noisy(self, values, p, name, shard, split_dim):
+        """``values`` with noise drawn for the whole activation (counting forwards since the set was
+        applied), of which this rank takes its piece."""
+        count = self.forward_counts.get((p, name), 0)
+        self.forward_counts[(p, name)] = count + 1
+        whole_shape = list(values.shape)
+        if shard is not None:
+            whole_shape[split_dim] *= parallel_state.get_tensor_model_parallel_world_size()
+        noise = draw_noise(p, whole_shape, values.dtype, f"{name}#{count}")
+        return apply_noise(values, p, noise if noise is None or shard is None else shard(noise))

@@ -1,0 +1,45 @@
+"""MegaScope's training mode as a plugin of the training loop (megatron/training/plugins.py):
+``--training-ws-port PORT [--training-ws-host 127.0.0.1] [--training-ws-wait]``. Without the port
+flag nothing is installed."""
+
+from megatron.training.errors import ArgumentError
+
+
+class MegaScopePlugin:
+    def __init__(self):
+        self.session = None
+
+    def add_arguments(self, parser):
+        group = parser.add_argument_group("MegaScope training mode")
+        group.add_argument("--training-ws-port", type=int, default=None,
+                           help="stream losses, per-layer norms and captured internals of every iteration to "
+                                "MegaScope clients on this WebSocket port (global rank 0 serves), and take "
+                                "pause / resume / step / stop, capture and perturbation requests")
+        group.add_argument("--training-ws-host", default="127.0.0.1",
+                           help="interface of the training WebSocket server; any other than localhost needs "
+                                "the token it prints")
+        group.add_argument("--training-ws-wait", action="store_true",
+                           help="start paused: the first iteration runs when a client sends resume or step")
+
+    def is_enabled(self, args):
+        return args.training_ws_port is not None
+
+    def validate_args(self, args):
+        if not 1 <= args.training_ws_port <= 65535:
+            raise ArgumentError(f"--training-ws-port {args.training_ws_port}: a TCP port is 1 .. 65535")
+
+    def after_setup(self, args, model, optimizer, scheduler):
+        from megascope.training_session import TrainingSession  # only a run with the flag loads the server
+
+        self.session = TrainingSession(args, model, optimizer, scheduler)
+        if self.session.control_point(0, finished_iteration=False) == "stop":  # --training-ws-wait waits here
+            args.train_iters = 0
+
+    def wrap_schedule(self, args, schedule):
+        return self.session.wrap_schedule(schedule)
+
+    def on_iteration_end(self, args, iteration, metrics):
+        self.session.iteration_end(iteration, metrics)
+
+    def on_train_end(self, args, iteration):
+        self.session.close()

@@ -1,0 +1,202 @@
+"""MegaScope's training mode: one WebSocket server (global rank 0) for a training run at any layout.
+
+Every rank holds a TrainingSession. At each control point (after setup, after every iteration) rank 0
+turns what the clients asked for into a decision and broadcasts it over a gloo group (host memory, no
+device sync); every rank then applies the same capture spec and perturbations and runs, pauses (with a
+heartbeat every second, so no collective times out) or stops (the loop ends, saving with --save).
+With a client connected each iteration also streams its losses, learning rate, grad norm and per-layer
+norms, and the chosen sample's internals when a capture spec is set. No client: one small broadcast
+per iteration and nothing else.
+"""
+
+import torch
+from megatron.core import parallel_state
+
+from megascope.capture import Capture, CaptureSpec
+from megascope.errors import ProtocolError
+from megascope.hooks import HOOK_NAMES, MODEL_HOOKS
+from megascope.layer_statistics import LayerStatistics
+from megascope.perturbations import NOISE_TYPES, Perturbation, PerturbationSet
+from megascope.reductions import REDUCTION_FORMS
+from megascope.training_control import TrainingControl
+from megascope.wire import encode_data_frame
+from megascope.ws_server import WebSocketServer
+from megatron.training.training_log import print_rank_0
+
+HEARTBEAT_SECONDS = 1.0
+
+
+def _full_hook_names():
+    return [name if name in MODEL_HOOKS else f"blocks.{{l}}.{name}" for name in HOOK_NAMES]
+
+
+def _hook_label(hook, layer):
+    return hook if layer is None else f"blocks.{layer}.{hook}"
+
+
+def _prefixed(error, prefix):
+    return ProtocolError(error.code, error.message, prefix + (f".{error.field}" if error.field else ""))
+
+
+class TrainingSession:
+    mode = "training"
+
+    def __init__(self, args, model, optimizer, scheduler):
+        self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.group = torch.distributed.new_group(backend="gloo")
+        self.is_server = torch.distributed.get_rank() == 0
+        self.iteration = 0
+        self.spec = None
+        self.perturbations = PerturbationSet(model, args)
+        self.statistics = LayerStatistics(model, args.num_layers, args.use_distributed_optimizer)
+        self.streaming = False
+        self.control = TrainingControl(start_paused=args.training_ws_wait) if self.is_server else None
+        self.server = None
+        if self.is_server:
+            self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
+            print_rank_0(f"MegaScope training server on ws://{args.training_ws_host}:{self.server.port}"
+                         + (" (waiting for a client to resume or step)" if args.training_ws_wait else ""))
+
+    # -- the WebSocket side (rank 0, server thread) --------------------------------------------
+    def welcome_info(self):
+        args = self.args
+        return {"model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
+                          "num_attention_heads": args.num_attention_heads,
+                          "num_query_groups": args.num_query_groups or args.num_attention_heads,
+                          "vocab_size": args.padded_vocab_size, "tp": args.tensor_model_parallel_size,
+                          "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
+                "hooks": _full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
+
+    def on_message(self, client, message):
+        kind = message["type"]
+        if kind == "train":
+            state = self.control.request(message["action"], message["n"])
+            client.send({"type": "training_state", "state": state, "iteration": self.iteration})
+        elif kind == "set_capture":
+            spec = self._checked_spec(message["capture"])
+            self.control.set_pending("capture", None if spec is None else spec.to_json())
+            client.send({"type": "capture_set", "capture": None if spec is None else spec.to_json()})
+        elif kind == "perturb":
+            checked = []
+            for index, obj in enumerate(message["perturbations"]):
+                try:
+                    checked.append(Perturbation.from_json(obj).to_json())
+                except ProtocolError as error:
+                    raise _prefixed(error, f"perturbations.{index}") from None
+            self.control.set_pending("perturbations", checked)
+
+    def on_disconnect(self, client):
+        pass  # the run goes on; what the client set stays until another client changes it
+
+    def _checked_spec(self, obj):
+        if obj is None:
+            return None
+        try:
+            spec = CaptureSpec.from_json(obj)
+        except ProtocolError as error:
+            raise _prefixed(error, "capture") from None
+        samples = self.args.global_batch_size // self.args.data_parallel_size
+        if spec.sample >= samples:
+            raise ProtocolError("bad_field", f"sample {spec.sample} is beyond the {samples} samples of an "
+                                "iteration on the first data-parallel replica", "capture.sample")
+        return spec
+
+    def _has_client(self):
+        return any(client.welcomed for client in list(self.server.clients))
+
+    # -- the training side (every rank) --------------------------------------------------------
+    def control_point(self, iteration, finished_iteration):
+        """Collective: wait while paused; returns "run" or "stop"."""
+        self.iteration = iteration
+        while True:
+            decision = [None]
+            if self.is_server:
+                decision[0] = {**self.control.decide(finished_iteration), "stream": self._has_client()}
+            torch.distributed.broadcast_object_list(decision, src=0, group=self.group)
+            decision = decision[0]
+            self._apply(decision)
+            if decision["action"] != "pause":
+                return decision["action"]
+            finished_iteration = False
+            if self.is_server:
+                self.control.wait(HEARTBEAT_SECONDS)
+
+    def _apply(self, decision):
+        if "capture" in decision:
+            self.spec = None if decision["capture"] is None else CaptureSpec.from_json(decision["capture"])
+        if "perturbations" in decision:
+            self.perturbations.replace([Perturbation.from_json(obj) for obj in decision["perturbations"]])
+            self.perturbations.restore_storage()  # storage noise acts inside the forward-backward only
+            self._broadcast({"type": "perturbations", "active": decision["perturbations"]})
+        if decision["stream"] != self.streaming:
+            self.streaming = decision["stream"]
+            self.statistics.install() if self.streaming else self.statistics.remove()
+        if decision["paused_by_step"] or decision["action"] == "stop":
+            self._broadcast({"type": "training_state", "state": "paused" if decision["action"] == "pause"
+                             else "stopping", "iteration": self.iteration})
+
+    def _broadcast(self, message):
+        if self.server is not None:
+            self.server.broadcast(message)
+
+    def wrap_schedule(self, schedule):
+        def run(*args, forward_only=False, **kwargs):
+            if forward_only:
+                return schedule(*args, forward_only=forward_only, **kwargs)
+            self.perturbations.apply_storage()
+            capture = self._capture()
+            try:
+                if capture is None:
+                    return schedule(*args, forward_only=forward_only, **kwargs)
+                with capture:
+                    result = schedule(*args, forward_only=forward_only, **kwargs)
+                    self._send_records(capture.collect(step=self.iteration + 1, token_offset=0))
+                    return result
+            finally:
+                self.perturbations.restore_storage()  # before the optimizer step: its state stays clean
+        return run
+
+    def _capture(self):
+        if self.spec is None or not self.streaming:
+            return None
+        per_microbatch = self.args.micro_batch_size
+        return Capture(self.model, self.spec, self.args, microbatch=self.spec.sample // per_microbatch,
+                       batch_index=self.spec.sample % per_microbatch)
+
+    def _send_records(self, records):
+        for record in records:
+            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": _hook_label(record.hook, record.layer),
+                                  "layer": record.layer, "prompt_index": record.prompt_index,
+                                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
+                                  "dims": list(record.dims), "reduction": record.reduction}, record.values)
+
+    def _broadcast_data(self, header, values):
+        if self.server is None:
+            return
+        frame = encode_data_frame(header, values)
+        for client in list(self.server.clients):
+            if client.welcomed:
+                client.send_data(frame)
+
+    def iteration_end(self, iteration, metrics):
+        """Collective: stream this iteration (when a client is connected), then the control point."""
+        if self.streaming:
+            losses = metrics.get("losses") or {}
+            activation_norms, grad_norms, lm_loss = self.statistics.reduce(losses.get("lm loss"), self.group)
+            grad_norm = metrics.get("grad_norm")
+            self._broadcast({
+                "type": "iteration", "iteration": iteration, "lm_loss": lm_loss,
+                "lr": float(self.scheduler.get_lr(self.optimizer.param_groups[0])),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "skipped": bool(metrics.get("skipped")), "activation_norms": activation_norms,
+                "grad_norms": grad_norms,
+                "state": self.control.state if self.control is not None else None})
+        if self.control_point(iteration, finished_iteration=True) == "stop":
+            print_rank_0(f"MegaScope: a client stopped training at iteration {iteration}")
+            self.args.train_iters = iteration  # the loop ends here and saves a checkpoint when --save is set
+
+    def close(self):
+        self.perturbations.clear()
+        self.statistics.remove()
+        if self.server is not None:
+            self.server.stop()
