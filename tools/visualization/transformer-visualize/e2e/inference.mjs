@@ -84,6 +84,7 @@ async function main() {
     await page.click('[data-test=tab-perturbations]');
     await page.click('[data-test=compare]');
     await page.waitForSelector('[data-test=compare-summary]', { timeout: 120000 });
+    await page.waitForSelector('[data-test=compare]:enabled');
     await screenshot(page, 'perturbations');
     await page.click('[data-test=clear-perturbations]');
   } catch (error) {
