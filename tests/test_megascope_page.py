@@ -7,13 +7,15 @@ and this runs as root (CI), else $CHROMIUM names it. Screenshots go to the page'
 $MEGASCOPE_SCREENSHOTS (MEGASCOPE_SCREENSHOTS=docs/images refreshes the README's)."""
 
 import os
+import re
 import shutil
 import subprocess
+import threading
 
 import pytest
 
 from generation_server import TINY_SERVER, GenerationServer
-from launch import REPO, child_env
+from launch import REPO, TINY_GPT, child_env, free_port, kill_process_tree, torchrun_command
 
 PAGE = REPO / "tools" / "visualization" / "transformer-visualize"
 NPM = shutil.which("npm")
@@ -74,3 +76,43 @@ def test_inference_in_a_real_browser(built, chromium):
     finally:
         server.stop()
     assert "tokens match REST" in output and "e2e inference: passed" in output, output
+
+
+def start_training(save_dir):
+    """A tiny GPT training on mock data with --training-ws-port; returns (job, ws URL, output lines)."""
+    port = free_port()
+    args = [*TINY_GPT, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
+            "--train-iters", "100000", "--lr-decay-iters", "100000", "--save", str(save_dir), "--save-interval", "100000",
+            "--training-ws-port", str(port)]
+    job = subprocess.Popen(torchrun_command(1, "pretrain_gpt.py", args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True)
+    lines, listening = [], threading.Event()
+
+    def read():
+        for line in job.stdout:
+            lines.append(line)
+            if "MegaScope training server on" in line:
+                listening.set()
+        listening.set()  # exited
+
+    threading.Thread(target=read, daemon=True).start()
+    if not listening.wait(300) or job.poll() is not None:
+        kill_process_tree(job.pid)
+        job.wait()
+        raise AssertionError("the training run did not start its WebSocket:\n" + "".join(lines[-40:]))
+    url = re.search(r"MegaScope training server on (ws://\S+)", "".join(lines)).group(1)
+    return job, url, lines
+
+
+def test_training_in_a_real_browser(built, chromium, tmp_path):
+    job, url, lines = start_training(tmp_path / "checkpoints")
+    try:
+        output = run_in_page(NODE, "e2e/training.mjs", env={"MEGASCOPE_WS": url, "CHROMIUM": chromium})
+        assert "e2e training: passed" in output, output
+        # The page's Stop saves a checkpoint and ends the run cleanly.
+        assert job.wait(timeout=300) == 0, "".join(lines[-40:])
+        assert (tmp_path / "checkpoints" / "latest_checkpointed_iteration.txt").exists()
+    finally:
+        if job.poll() is None:
+            kill_process_tree(job.pid)
+        job.wait()

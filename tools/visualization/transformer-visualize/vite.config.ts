@@ -5,6 +5,6 @@ import vue from '@vitejs/plugin-vue';
 export default defineConfig({
   base: './',
   plugins: [vue()],
-  server: { host: '127.0.0.1', port: 5173 },
+  server: { port: 5173, strictPort: true },
   test: { include: ['tests/**/*.test.ts'], environment: 'node' },
 });

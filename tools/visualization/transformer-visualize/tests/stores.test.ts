@@ -11,6 +11,7 @@ import { usePerturbationsStore } from '../src/stores/perturbations';
 import { useTrainingStore } from '../src/stores/training';
 import { wireStores } from '../src/stores/wiring';
 import type { IterationMessage } from '../src/protocol/messages';
+import { decodeDataFrame } from '../src/protocol/dataFrame';
 import { buildFrame } from './frames';
 
 const WELCOME = {
@@ -152,15 +153,35 @@ describe('generation, captures and perturbations stores', () => {
   });
 });
 
+describe('captures store', () => {
+  it('keeps one generation (or, in training, one iteration) at a time', () => {
+    const captures = useCapturesStore(pinia);
+    const frame = (id: string | null, step: number, hook: string) => decodeDataFrame(buildFrame(
+      { id, step, hook, layer: 0, prompt_index: 0, tokens: [0, 1], shape: [1], dims: ['token'], reduction: 'norm' }, [1]));
+    captures.add(frame('g1', 0, 'blocks.0.attn.q'));
+    captures.add(frame('g1', 1, 'blocks.0.attn.k'));
+    expect([...captures.series.keys()]).toEqual(['0|blocks.0.attn.q', '0|blocks.0.attn.k']);
+    captures.add(frame('g2', 0, 'blocks.0.attn.v'));
+    expect([...captures.series.keys()]).toEqual(['0|blocks.0.attn.v']);
+    captures.add(frame(null, 7, 'blocks.0.resid_post'));
+    captures.add(frame(null, 7, 'blocks.0.mlp.out'));
+    expect(captures.series.size).toBe(2);
+    captures.add(frame(null, 8, 'blocks.0.resid_post'));
+    expect([...captures.series.keys()]).toEqual(['0|blocks.0.resid_post']);
+    expect(captures.step).toBe(8);
+  });
+});
+
 describe('training store', () => {
   it('keeps every iteration and the state, and builds the control messages', () => {
     const training = useTrainingStore(pinia);
     const iteration: Omit<IterationMessage, 'iteration'> = { type: 'iteration', lm_loss: 5, lr: 1e-3, grad_norm: 1.5, skipped: false, activation_norms: [1, 2], grad_norms: [0.1, 0.2], state: 'running' };
     training.handle({ ...iteration, iteration: 1 });
     training.handle({ ...iteration, iteration: 2 });
-    training.handle({ type: 'training_state', state: 'paused', iteration: 2 });
+    training.handle({ type: 'training_state', state: 'paused', iteration: 1 });  // iteration 2 was in flight
     expect(training.iterations.map((m) => m.iteration)).toEqual([1, 2]);
     expect([training.iteration, training.state]).toEqual([2, 'paused']);
+    expect(training.log.map((e) => [e.state, e.iteration])).toEqual([['paused', 1]]);
     expect(training.command('step', 2)).toEqual({ type: 'train', action: 'step', n: 2 });
     expect(training.command('pause', 2)).toEqual({ type: 'train', action: 'pause' });
   });

@@ -4,11 +4,20 @@ import { ref, shallowRef } from 'vue';
 import type { IterationMessage, ServerMessage, TrainAction, TrainingState } from '../protocol/messages';
 
 const ITERATIONS_KEPT = 2000;
+const LOG_KEPT = 50;
+
+/** One control reply: the state the run went into and the iteration it was at. */
+export interface ControlEntry {
+  state: TrainingState;
+  iteration: number;
+  at: Date;
+}
 
 export const useTrainingStore = defineStore('training', () => {
   const iterations = shallowRef<IterationMessage[]>([]);
   const iteration = ref<number | null>(null);
   const state = ref<TrainingState | null>(null);
+  const log = ref<ControlEntry[]>([]);
 
   function handle(message: ServerMessage): void {
     if (message.type === 'iteration') {
@@ -16,10 +25,14 @@ export const useTrainingStore = defineStore('training', () => {
       iteration.value = message.iteration;
       state.value = message.state;
     } else if (message.type === 'training_state') {
-      iteration.value = message.iteration;
+      // An iteration in flight when a pause arrives still finishes (and is reported as paused): the
+      // counter never goes back.
+      iteration.value = Math.max(iteration.value ?? 0, message.iteration);
       state.value = message.state;
+      log.value = [...log.value, { state: message.state, iteration: message.iteration, at: new Date() }].slice(-LOG_KEPT);
     } else if (message.type === 'welcome' && message.mode === 'training') {
       iterations.value = [];
+      log.value = [];
     }
   }
 
@@ -27,5 +40,5 @@ export const useTrainingStore = defineStore('training', () => {
     return action === 'step' ? { type: 'train', action, n: n ?? 1 } : { type: 'train', action };
   }
 
-  return { iterations, iteration, state, handle, command };
+  return { iterations, iteration, state, log, handle, command };
 });
