@@ -143,7 +143,9 @@ describe('generation, captures and perturbations stores', () => {
       if (message.type === 'generate') reply({ type: 'error', code: 'busy', message: 'a generation is running; wait for it to finish.', id: message.id });
       if (message.type === 'perturb') reply({ type: 'perturbations', active: message.perturbations as object[] });
     });
-    await expect(useGenerationStore(pinia).generate(connection.send, null, [])).rejects.toThrow(/busy/);
+    const generation = useGenerationStore(pinia);
+    await expect(generation.generate(connection.send, null, [])).rejects.toThrow(/busy/);
+    expect(generation.current?.error).toMatch(/^busy: /);
     const perturbations = usePerturbationsStore(pinia);
     perturbations.add('system', 'gaussian', WELCOME.hooks);
     await perturbations.apply(connection.send, perturbations.draft);

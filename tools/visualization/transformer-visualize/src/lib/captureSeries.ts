@@ -115,6 +115,6 @@ export function layersByTokens(series: Map<string, CaptureSeries>, promptIndex: 
   });
   return {
     rows: picked.length, cols, values,
-    rowLabels: picked.map((s) => `layer ${s.layer}`), colLabels: Array.from({ length: cols }, (_, t) => `token ${t}`),
+    rowLabels: picked.map((s) => `layer ${s.layer}`), colLabels: Array.from({ length: cols }, (_, t) => String(t)),
   };
 }

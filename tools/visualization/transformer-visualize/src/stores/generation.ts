@@ -16,6 +16,7 @@ export interface Generation {
   promptTokens: PromptToken[][];
   generated: StreamedToken[][];
   done: GenerationDone | null;
+  error: string | null;            // the error frame that ended it, if one did
   perturbations: Perturbation[];   // the active set while it ran
 }
 
@@ -54,7 +55,7 @@ export const useGenerationStore = defineStore('generation', () => {
     counter += 1;
     const id = `page-${Date.now().toString(36)}-${counter}`;
     const prompts = params.prompts.filter((p) => p.trim() !== '');
-    current.value = { id, prompts, seed: params.seed, promptTokens: [], generated: prompts.map(() => []), done: null, perturbations: activePerturbations };
+    current.value = { id, prompts, seed: params.seed, promptTokens: [], generated: prompts.map(() => []), done: null, error: null, perturbations: activePerturbations };
     lens.value = new Map();
     pca.value = null;
     selected.value = null;
@@ -100,6 +101,7 @@ export const useGenerationStore = defineStore('generation', () => {
         waiting.delete(message.id);
         break;
       case 'error':
+        if (run && message.id !== undefined && String(message.id) === run.id) run.error = `${message.code}: ${message.message}`;
         if (message.id !== undefined && waiting.has(String(message.id))) {
           waiting.get(String(message.id))!.reject(new Error(`${message.code}: ${message.message}`));
           waiting.delete(String(message.id));
