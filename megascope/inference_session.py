@@ -8,24 +8,23 @@ See docs/megascope_protocol.md.
 """
 
 import contextlib
-import importlib.util
 import logging
 import threading
 
 import numpy as np
 
+from megascope.capture import Capture, CaptureSpec
 from megascope.errors import ProtocolError
+from megascope.hooks import HOOK_NAMES, MODEL_HOOKS
+from megascope.pca import pca_2d
+from megascope.perturbations import NOISE_TYPES, Perturbation, PerturbationSet
+from megascope.reductions import REDUCTION_FORMS
 from megascope.wire import Limits, encode_data_frame, error_message
 from megatron.inference.engine import NoObserver
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megascope.inference")
-HOOKS = ["embed", "blocks.{l}.ln1", "blocks.{l}.attn.q", "blocks.{l}.attn.k", "blocks.{l}.attn.v",
-         "blocks.{l}.attn.pattern", "blocks.{l}.attn.out", "blocks.{l}.resid_mid", "blocks.{l}.mlp.pre",
-         "blocks.{l}.mlp.out", "blocks.{l}.resid_post", "final_norm", "logits"]
-REDUCTIONS = ["none", "norm", "mean_heads", "bins(n)", "slice(a,b)", "topk_abs(k)"]
-NOISE = ["gaussian", "uniform", "bitflip", "constant"]
 DEFAULT_TOPK = 5
 
 
@@ -33,20 +32,16 @@ def capture_spec(obj, field="capture"):
     """The library's CaptureSpec of a JSON object (None for None); errors name ``capture.<field>``."""
     if obj is None:
         return None
-    from megascope.capture import CaptureSpec
     try:
         spec = CaptureSpec.from_json(obj)
     except ProtocolError as error:
         inner = error.field if error.field and error.field.startswith(field) else \
             f"{field}.{error.field}" if error.field else field
         raise ProtocolError(error.code, error.message, inner) from None
-    if spec.pca is not None and importlib.util.find_spec("megascope.pca") is None:
-        raise ProtocolError("bad_field", "this build has no PCA (megascope.pca); send pca null", f"{field}.pca")
     return spec
 
 
 def perturbations(objs):
-    from megascope.perturbations import Perturbation
     checked = []
     for index, obj in enumerate(objs):
         try:
@@ -76,6 +71,7 @@ class ScopeObserver(NoObserver):
         self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
+        self.last_position = {}  # prompt index -> the position of its last token, once it has finished
 
     # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
     def poll(self):
@@ -97,7 +93,6 @@ class ScopeObserver(NoObserver):
     def forward(self, index, start, end):
         if self.spec is None:
             return contextlib.nullcontext()
-        from megascope.capture import Capture
         self.capture = Capture(self.model, self.spec, self.args)
         return self.capture
 
@@ -108,6 +103,8 @@ class ScopeObserver(NoObserver):
             return
         lens = {}  # prompt index -> its layers' top-k at the last position read
         for record in records:
+            if record.token_start > self.last_position.get(record.prompt_index, record.token_start):
+                continue  # a finished prompt's row: padding, not text
             if record.hook == "logit_lens":
                 if record.token_start + record.values.shape[0] == step.end:
                     lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
@@ -120,6 +117,7 @@ class ScopeObserver(NoObserver):
                  "layer": record.layer, "prompt_index": record.prompt_index,
                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                  "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+        self.last_position.update({row: step.end for row in step.finished})
         for prompt_index, layers in sorted(lens.items()):
             self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
                               "prompt_index": prompt_index, "layers": layers})
@@ -145,7 +143,6 @@ class ScopeObserver(NoObserver):
         """Rank 0, after the last step: the PCA (when asked) and generation_done."""
         detokenize = self.session.encoder.tokenizer.detokenize
         if self.pca_vectors:
-            from megascope.pca import pca_2d
             self.pca_vectors.sort(key=lambda item: (item[0], item[1]))
             vectors = np.concatenate([values.reshape(values.shape[0], -1) for _, _, values in self.pca_vectors])
             coords, ratio = pca_2d(vectors)
@@ -175,7 +172,6 @@ _active_perturbations = {}
 
 def apply_perturbations(model, args, objs):
     """Every rank: replace the active perturbation set (the library restores storage noise exactly)."""
-    from megascope.perturbations import PerturbationSet
     active = _active_perturbations.get(id(model))
     if active is None:
         active = _active_perturbations[id(model)] = PerturbationSet(model, args)
@@ -208,7 +204,8 @@ class InferenceSession:
                           "vocab_size": self.encoder.tokenizer.vocab_size,
                           "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
                           "dp": args.data_parallel_size},
-                "hooks": HOOKS, "reductions": REDUCTIONS, "noise": NOISE}
+                "hooks": [full_hook_name(name, None if name in MODEL_HOOKS else "{l}") for name in HOOK_NAMES],
+                "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
 
     def on_message(self, client, message):
         getattr(self, "_" + message["type"])(client, message)
@@ -267,8 +264,12 @@ class InferenceSession:
         if "perturbations" in unapplied:  # came after the generation's last step
             self.service.control({"perturbations": unapplied["perturbations"]})
         if job.error is not None:
-            log.error("generation %s failed: %s", job.observer.id, job.error)
+            log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
             client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
+            prompts = len(job.payload["prompts"])
+            client.send({"type": "generation_done", "id": job.observer.id, "texts": [""] * prompts,
+                         "tokens": [[] for _ in range(prompts)], "finish_reason": ["error"] * prompts,
+                         "dropped_frames": client.dropped_total - job.observer.dropped_at_start})
             return
         job.observer.finish(job.result)
 

@@ -6,7 +6,7 @@ Each reduces the LAST dim of a captured tensor [tokens, ..., last]:
     mean_heads    mean over the "head" dim (hooks with heads only: attn.q/k/v/pattern)
     bins(n)       mean-pooling of the last dim into n equal bins (1 <= n <= 4096)
     slice(a,b)    the values a .. b-1 of the last dim (0 <= a < b)
-    topk_abs(k)   the k values of largest magnitude: last dim becomes [k, 2] = (index, value) (1 <= k <= 1024)
+    topk_abs(k)   the k values of largest magnitude: last dim becomes [k, 2] = (index, value) (1 <= k <= 4096)
 """
 
 import re
@@ -17,7 +17,7 @@ import torch
 from megascope.errors import ProtocolError
 
 REDUCTION_FORMS = ("none", "norm", "mean_heads", "bins(n)", "slice(a,b)", "topk_abs(k)")
-_LIMITS = {"bins": 4096, "topk_abs": 1024}
+_LIMITS = {"bins": 4096, "topk_abs": 4096}
 _CALL = re.compile(r"^(bins|slice|topk_abs)\((\d{1,7})(?:,(\d{1,7}))?\)$")
 
 

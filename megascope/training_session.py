@@ -166,7 +166,7 @@ class TrainingSession:
     def _send_records(self, records):
         for record in records:
             self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": _hook_label(record.hook, record.layer),
-                                  "layer": record.layer, "prompt_index": record.prompt_index,
+                                  "layer": record.layer, "prompt_index": self.spec.sample,
                                   "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                                   "dims": list(record.dims), "reduction": record.reduction}, record.values)
 

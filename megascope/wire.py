@@ -243,7 +243,8 @@ def encode_data_frame(header, values, dtype="float16"):
     array = values.numpy() if hasattr(values, "numpy") else np.asarray(values)
     array = np.ascontiguousarray(array, dtype=np.float32)
     if dtype == "float16":
-        half = array.astype("<f2")
+        with np.errstate(over="ignore"):  # an overflow is detected below and sends float32 instead
+            half = array.astype("<f2")
         if np.array_equal(np.isfinite(half), np.isfinite(array)):
             array = half
         else:

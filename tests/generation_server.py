@@ -17,7 +17,7 @@ TINY_SERVER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
                "--attention-dropout", "0", "--use-cpu-initialization", "--device", "cpu",
                "--untie-embeddings-and-output-weights", "--init-method-std", "0.2",
                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
-               "--merge-file", str(REPO / "datasets/gpt/merges.txt"), "--global-batch-size", "1"]
+               "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
 
 
 class GenerationServer:

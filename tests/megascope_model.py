@@ -1,11 +1,11 @@
 """A tiny GPT built in a torchrun worker from pretrain_gpt.py's flags, at any TP/PP, with weights that
-do not depend on the layout, and a forward through megatron-core's pipeline schedule (forward only)."""
+do not depend on the layout; a forward through megatron-core's pipeline schedule (forward only); and the
+runs of megascope_run.py that the MegaScope tests share (each layout runs once per test session)."""
 
 import functools
 import sys
 
 import torch
-from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: F401
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import megatron.training  # noqa: F401
@@ -15,6 +15,8 @@ from megatron.training.layout_invariant_init import reinitialize_layout_invarian
 from megatron.training.model_setup import _build_chunks
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_args import validate_args
+
+from megascope.capture import Capture
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from pretrain_gpt import model_provider  # noqa: E402
@@ -50,3 +52,10 @@ def forward(chunks, tokens, inference_context=None, position_offset=0):
 
     get_forward_backward_func()(forward_step_func=step, data_iterator=None, model=chunks, num_microbatches=1,
                                 seq_length=seq, micro_batch_size=batch, forward_only=True)
+
+
+def capture(chunks, spec, tokens, **forward_kwargs):
+    """rank 0's Records of one forward (the others get [])."""
+    with Capture(chunks, spec) as active:
+        forward(chunks, tokens, **forward_kwargs)
+        return active.collect(step=0, token_offset=forward_kwargs.get("position_offset", 0))

@@ -1,5 +1,6 @@
 """The KV-cache generation engine (megatron/inference/engine.py) under torchrun with gloo: greedy equals the
-no-cache greedy loop, and a fixed seed draws the same tokens (and log-probabilities) at TP1, TP2, PP2, TP2xPP2."""
+no-cache greedy loop, and a fixed seed draws the same tokens (and log-probabilities) at TP1, TP2, PP2, TP2xPP2
+and with two data-parallel replicas."""
 
 import json
 
@@ -13,16 +14,16 @@ TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"
         # untied, wider initialization: a random tiny model that does not just repeat its last token
         "--untie-embeddings-and-output-weights", "--init-method-std", "0.2",
         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
-        "--merge-file", str(REPO / "datasets/gpt/merges.txt"), "--global-batch-size", "1"]
-LAYOUTS = {"tp1": (1, 1), "tp2": (2, 1), "pp2": (1, 2), "tp2pp2": (2, 2)}
+        "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
+LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "dp2": (1, 1, 2)}
 
 
 @pytest.fixture(scope="module")
 def generations(tmp_path_factory):
     results = {}
-    for name, (tp, pp) in LAYOUTS.items():
+    for name, (tp, pp, dp) in LAYOUTS.items():
         out = tmp_path_factory.mktemp(name) / "generation.json"
-        result = torchrun(tp * pp, "tests/generation_check.py",
+        result = torchrun(tp * pp * dp, "tests/generation_check.py",
                           TINY + ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp],
                           env={"GENERATION_CHECK_OUT": str(out)})
         assert_succeeded(result)

@@ -4,37 +4,18 @@ single-rank values; a KV-cache decode step captures what the full forward has at
 attention pattern equals megatron-core's unfused softmax and the softmax of the captured q/k; the
 logit lens of the last layer is the model's own output distribution."""
 
-import functools
 import math
 
 import pytest
 import torch
 
-from launch import REPO, assert_succeeded, torchrun
-from megascope_model import TINY_MODEL_FLAGS
+from megascope_runs import REFERENCE, runs_root, saved
 
-GQA = ["--group-query-attention", "--num-query-groups", "2"]
-LAYOUTS = {
-    "single": (1, []),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
-    # Megatron runs no KV-cache decode under sequence parallelism (one token cannot be split): full forward only.
-    "tp2_pp2_sequence_parallel": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                      "--sequence-parallel"]),
-    "gqa_unfused": (1, GQA + ["--attention-backend", "unfused"]),
-    "gqa_tp2": (2, GQA + ["--tensor-model-parallel-size", "2"]),
-}
 DECODE_AT = 9
 
 
-@functools.lru_cache(maxsize=None)
-def _records(layout, tmp_root):
-    nproc, flags = LAYOUTS[layout]
-    out = f"{tmp_root}/{layout}"
-    __import__("os").makedirs(out, exist_ok=True)
-    result = torchrun(nproc, "tests/megascope_capture_run.py", [out, *TINY_MODEL_FLAGS, *flags],
-                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
-    assert_succeeded(result)
-    return torch.load(f"{out}/records.pt", weights_only=False)
+def _records(layout, root):
+    return {**saved(layout, root)["capture"], "unfused_probs": saved(layout, root).get("unfused_probs")}
 
 
 def _by_key(records):
@@ -43,15 +24,12 @@ def _by_key(records):
 
 @pytest.fixture(scope="module")
 def tmp_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("megascope_capture"))
+    return runs_root(tmp_path_factory)
 
 
-@pytest.mark.parametrize("layout, reference", [("pp2", "single"), ("tp2_pp2_sequence_parallel", "single"),
-                                               ("gqa_tp2", "gqa_unfused")])
+@pytest.mark.parametrize("layout, reference", list(REFERENCE.items()))
 def test_every_hook_equals_the_single_rank_capture(layout, reference, tmp_root):
-    for phase in _records(layout, tmp_root):
-        if phase == "unfused_probs":
-            continue
+    for phase in saved(layout, tmp_root)["capture"]:
         got, want = _by_key(_records(layout, tmp_root)[phase]), _by_key(_records(reference, tmp_root)[phase])
         assert got.keys() == want.keys()
         assert {hook for hook, _, _ in want} >= {"embed", "attn.q", "attn.pattern", "mlp.pre", "logits", "logit_lens"}

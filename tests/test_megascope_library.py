@@ -57,6 +57,7 @@ def test_a_full_capture_spec_parses():
                                   "reduction": "norm", "reductions": {"attn.pattern": "mean_heads"}, "topk": 3,
                                   "logit_lens": True, "pca": {"hook": "resid_post", "layer": 2}, "sample": 1})
     assert str(spec.reduction_for("attn.pattern")) == "mean_heads" and str(spec.reduction_for("resid_post")) == "norm"
+    assert CaptureSpec.from_json(spec.to_json()) == spec
     assert spec.wants_layer(2) and not spec.wants_layer(3) and spec.wants_token(7) and not spec.wants_token(8)
 
 

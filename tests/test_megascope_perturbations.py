@@ -1,42 +1,23 @@
 """MegaScope perturbations on a real megatron-core GPT under torchrun/gloo: seeded and reproducible,
-the same perturbed values at TP2 and TP2xPP2 (sequence parallel) as at one rank, storage noise
+the same perturbed values at TP2 (GQA), PP2 and TP2xPP2 (sequence parallel) as at one rank, storage noise
 restored bit for bit, gradients through calculation/system noise equal a finite difference; bad
 perturbations are ProtocolErrors naming the field."""
 
-import functools
-import os
-
 import pytest
 import torch
-
-from launch import REPO, assert_succeeded, torchrun
-from megascope_model import TINY_MODEL_FLAGS
+from megascope_runs import REFERENCE, runs_root, saved
 
 from megascope.errors import ProtocolError
 from megascope.perturbations import Perturbation, apply_noise, draw_noise
 
-LAYOUTS = {
-    "single": (1, []),
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "tp2_pp2_sequence_parallel": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                      "--sequence-parallel"]),
-}
-
 
 @pytest.fixture(scope="module")
 def tmp_root(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("megascope_perturbations"))
+    return runs_root(tmp_path_factory)
 
 
-@functools.lru_cache(maxsize=None)
-def _run(layout, tmp_root):
-    nproc, flags = LAYOUTS[layout]
-    out = f"{tmp_root}/{layout}"
-    os.makedirs(out, exist_ok=True)
-    result = torchrun(nproc, "tests/megascope_perturbation_run.py", [out, *TINY_MODEL_FLAGS, *flags],
-                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
-    assert_succeeded(result)
-    return torch.load(f"{out}/perturbed.pt", weights_only=False)
+def _run(layout, root):
+    return saved(layout, root)["perturbation"]
 
 
 def _values(records):
@@ -61,11 +42,11 @@ def test_seeded_perturbations_act_repeat_exactly_and_restore_bit_for_bit(tmp_roo
     assert 4400 < saved["bitflipped_weights"] < 5500
 
 
-@pytest.mark.parametrize("layout", ["tp2", "tp2_pp2_sequence_parallel"])
-def test_same_seed_gives_the_same_perturbed_forward_at_every_layout(layout, tmp_root):
-    saved, reference = _run(layout, tmp_root), _run("single", tmp_root)
-    _assert_records_close(saved["perturbed"], reference["perturbed"], atol=1e-5, rtol=1e-4)
-    assert saved["restored_exactly"] and saved["bitflips_restored_exactly"]
+@pytest.mark.parametrize("layout, reference", list(REFERENCE.items()))
+def test_same_seed_gives_the_same_perturbed_forward_at_every_layout(layout, reference, tmp_root):
+    got, want = _run(layout, tmp_root), _run(reference, tmp_root)
+    _assert_records_close(got["perturbed"], want["perturbed"], atol=1e-5, rtol=1e-4)
+    assert got["restored_exactly"] and got["bitflips_restored_exactly"]
 
 
 def test_gradients_flow_through_calculation_and_system_noise(tmp_root):

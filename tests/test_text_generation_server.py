@@ -68,7 +68,8 @@ def test_rest_and_websocket_give_the_same_tokens(server):
                                          ({"prompts": ["x"], "tokens_to_generate": 500}, "tokens_to_generate"),
                                          ({"prompts": ["x"], "stop_tokens": [10 ** 6]}, "stop_tokens"),
                                          ({"prompts": ["x"], "chat": True}, "chat"),
-                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur")])
+                                         ({"prompts": ["x"], "temperatur": 1}, "temperatur"),
+                                         ({"prompts": ["x " * 80]}, "prompts")])  # longer than the model reads
 def test_rest_refuses_each_bad_field_by_name(server, body, field):
     status, answer = server.put(body)
     assert status == 400 and answer["field"] == field, answer
@@ -147,9 +148,17 @@ def captured(server, token=None):
     return [reply for reply in replies if isinstance(reply, dict)], frames
 
 
+def positions_read(messages):
+    """Per prompt: how many steps read its tokens. The prefill reads the shortest prompt's length, then
+    one position per step; a prompt's last token is read only if a longer one goes on."""
+    lengths = [len(prompt) + len(generated) for prompt, generated in
+               zip(messages[0]["prompt_tokens"], messages[-1]["tokens"])]
+    shortest = min(len(prompt) for prompt in messages[0]["prompt_tokens"])
+    return [1 + len(range(shortest, min(length, max(lengths) - 1))) for length in lengths], lengths
+
+
 def expected_frames(messages):
-    steps = 1 + max(message["step"] for message in messages if message["type"] == "token")
-    return steps * 2 * 2 * len(PROMPTS)  # steps x hooks x layers x prompts
+    return sum(positions_read(messages)[0]) * 2 * 2  # x hooks x layers
 
 
 def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
@@ -169,6 +178,51 @@ def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
                         len(message["layers"][0]["topk"]) == 3 for message in lens)
 
 
+NOISE = {"id": "n", "kind": "storage", "target": "mlp.fc1", "noise": "gaussian", "scale": 0.5, "seed": 3}
+GREEDY = {"prompts": PROMPTS, "tokens_to_generate": 8, "top_k": 1}
+
+
+def perturbed(server, token=None):
+    """Greedy tokens before, with and after NOISE (and the reply to a bad perturbation)."""
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            tokens = []
+            for perturbations in (None, [NOISE], []):
+                if perturbations is not None:
+                    await send(ws, {"type": "perturb", "perturbations": perturbations})
+                    assert (await receive(ws)) == {"type": "perturbations", "active": perturbations}
+                tokens.append((await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"])
+            await send(ws, {"type": "perturb", "perturbations": [{**NOISE, "noise": "loud"}]})
+            return tokens, await receive(ws)
+    return run(client())
+
+
+def test_perturbations_change_the_tokens_and_removing_them_restores_them(server):
+    (before, noisy, after), refusal = perturbed(server, TOKEN)
+    assert noisy != before and after == before
+    assert (refusal["code"], refusal["field"]) == ("bad_field", "perturbations.0.noise")
+
+
+def test_pca_of_a_hook_over_every_token(server):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
+            return (await generation(ws, {"type": "generate", "capture": capture, **GREEDY}))[0]
+    messages = run(client())
+    pca = next(message for message in messages if message["type"] == "pca")
+    done = messages[-1]
+    started = messages[0]
+    steps, lengths = positions_read(messages)
+    shortest = min(len(prompt) for prompt in started["prompt_tokens"])
+    assert len(pca["points"]) == sum(shortest - 1 + n for n in steps)  # every token read, no padding
+    assert all(point["token_index"] < lengths[point["prompt_index"]] for point in pca["points"])
+    assert done["type"] == "generation_done"
+    assert 0 < sum(pca["explained_variance"]) <= 1 + 1e-6 and pca["explained_variance"][0] >= pca["explained_variance"][1]
+
+
 def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
     reference = server.put(SAMPLED)[1]["tokens"]
     pipeline = GenerationServer(2, TINY_SERVER + ["--pipeline-model-parallel-size", "2"])
@@ -185,5 +239,25 @@ def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
                 np.testing.assert_allclose(values, one_stage[key], atol=2e-3)
                 compared += 1
         assert compared > 0 and {h["layer"] for h, _ in frames} == {1, 2}
+        assert perturbed(pipeline)[0] == perturbed(server, TOKEN)[0]  # the same noise at both layouts
     finally:
         pipeline.stop()
+
+
+def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            await send(ws, {"type": "generate", "id": "late", "prompts": ["Once"], "tokens_to_generate": 60})
+            assert (await receive(ws))["type"] == "generation_started"
+            first = await receive(ws)
+            await send(ws, {"type": "set_capture", "capture": {"hooks": ["resid_post"], "layers": [0, 1],
+                                                               "reduction": "norm"}})
+            replies = []
+            while not (isinstance(reply := await receive(ws), dict) and reply["type"] == "generation_done"):
+                replies.append(reply)
+            return first, replies
+    first, replies = run(client())
+    frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
+    assert {"type": "capture_set", "capture": {"hooks": ["resid_post"], "layers": [0, 1], "reduction": "norm"}} in replies
+    assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)

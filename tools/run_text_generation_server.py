@@ -19,7 +19,9 @@ import megatron.training  # noqa: E402,F401  first: quiets megatron-core's impor
 import torch  # noqa: E402
 
 import pretrain_gpt  # noqa: E402
+from megascope.inference_session import InferenceSession, ScopeObserver, apply_perturbations  # noqa: E402
 from megascope.wire import Limits  # noqa: E402
+from megascope.ws_server import WebSocketServer  # noqa: E402
 from megatron.inference.engine import GenerationEngine  # noqa: E402
 from megatron.inference.model_setup import setup_for_generation  # noqa: E402
 from megatron.inference.prompts import PromptEncoder, load_chat_template  # noqa: E402
@@ -65,8 +67,6 @@ def _check(args):
 
 
 def _start_websocket(args, service, encoder, model, limits):
-    from megascope.inference_session import InferenceSession
-    from megascope.ws_server import WebSocketServer
     session = InferenceSession(service, encoder, model, args, limits)
     origins = [origin.strip() for origin in args.ws_allowed_origins.split(",") if origin.strip()]
     session.server = WebSocketServer(session, args.ws_host, args.ws_port, args.ws_token, limits, origins).start()
@@ -77,22 +77,20 @@ def _observer_factory(args, model):
     def build(payload):
         if "scope" not in payload:
             return None
-        from megascope.inference_session import ScopeObserver
         return ScopeObserver(payload["scope"], model, args)
     return build
 
 
 def _apply_control(args, model, payload):
     if "perturbations" in payload:
-        from megascope.inference_session import apply_perturbations
         apply_perturbations(model, args, payload["perturbations"])
 
 
 @exit_on_user_error
 def main():
     args, model, tokenizer = setup_for_generation(sys.argv[1:], "run_text_generation_server.py",
-                                                  pretrain_gpt.model_provider, extra_args_provider=_server_args)
-    _check(args)
+                                                  pretrain_gpt.model_provider, extra_args_provider=_server_args,
+                                                  check_args=_check)
     max_length = args.max_position_embeddings or args.seq_length
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     engine = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, max_length, device)

@@ -25,11 +25,13 @@ from megatron.inference.sampling import Draw, draw
 @dataclass
 class Step:
     """What one forward step produced: positions [start, end) were read and position ``end`` chosen for
-    every row; ``sampled`` lists the rows whose token there is generated (not a prompt token)."""
+    every row; ``sampled`` lists the rows whose token there is generated (not a prompt token), ``finished``
+    those whose generation ended with it (later steps read their last token, then only padding)."""
     index: int
     start: int
     end: int
     sampled: list
+    finished: list
     draw: Draw
 
 
@@ -123,7 +125,8 @@ class GenerationEngine:
                     for row in range(batch):
                         if position < lengths[row] or row in sampled:
                             logprobs[row].append(float(chosen.logprobs[row]))
-                observer.step_done(Step(index, start, position, sampled, chosen))
+                finished = [row for row in sampled if finish[row] is not None]
+                observer.step_done(Step(index, start, position, sampled, finished, chosen))
             context.increment_sequence_len_offset(position - start)
             context.enable_decode_mode()
             start, position, index = position, position + 1, index + 1

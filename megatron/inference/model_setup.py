@@ -18,10 +18,13 @@ from megatron.training.validate_args import validate_args
 _TRAINING_ONLY = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
 
 
-def setup_for_generation(argv, prog, model_provider, extra_args_provider=None):
-    """(args, model chunks in eval mode, tokenizer) from a command line of Megatron flags."""
+def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, check_args=None):
+    """(args, model chunks in eval mode, tokenizer) from a command line of Megatron flags; ``check_args``
+    (args) refuses a tool's own bad flags before anything is loaded."""
     args = parse_args(_TRAINING_ONLY + list(argv), prog, extra_args_provider=extra_args_provider)
     validate_args(args)
+    if check_args is not None:
+        check_args(args)
     args.finetune = True  # weights only
     use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)

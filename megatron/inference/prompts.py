@@ -71,7 +71,11 @@ class PromptEncoder:
             if not ids:
                 raise ProtocolError("bad_field", "a prompt is empty after tokenization; send some text", "prompts")
             prompts.append(ids)
-        check_limits(request, self.limits, self.max_length - max(map(len, prompts)))
+        longest = max(map(len, prompts))
+        if longest >= self.max_length:
+            raise ProtocolError("too_large", f"a prompt has {longest} tokens; this model reads at most "
+                                f"{self.max_length - 1} before generating; shorten it", "prompts")
+        check_limits(request, self.limits, self.max_length - longest)
         return prompts
 
     def token_text(self, token_id):

@@ -1,13 +1,8 @@
-"""torchrun worker: a tiny GPT's forward under seeded perturbations of every kind. Saves rank 0's records
-(perturbed twice, and after clear()) and, at one rank, an autograd vs finite-difference check to
-OUT_DIR/perturbed.pt. Usage: megascope_perturbation_run.py OUT_DIR <pretrain_gpt flags>."""
-
-import sys
+"""Run by megascope_run.py: a tiny GPT's forward under seeded perturbations of every kind: the records
+perturbed twice and after clear(), exact restores, and at one rank an autograd vs finite-difference check."""
 
 import torch
-
-from megascope_capture_run import capture
-from megascope_model import build, forward
+from megascope_model import capture
 
 from megascope.capture import CaptureSpec
 from megascope.perturbations import Perturbation, PerturbationSet
@@ -55,12 +50,7 @@ def gradient_check(chunks, active, perturbations, tokens):
     return analytic, (up - down) / (2 * step)
 
 
-def main():
-    out_dir, argv = sys.argv[1], sys.argv[2:]
-    _, chunks = build(argv)
-    for chunk in chunks:
-        chunk.eval()
-    tokens = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+def perturbation_phases(chunks, tokens):
     spec = CaptureSpec.from_json({"hooks": ["resid_post", "logits"]})
     perturbations = [Perturbation.from_json(obj) for obj in PERTURBATIONS]
     before = weights(chunks)
@@ -82,9 +72,4 @@ def main():
     if torch.distributed.get_world_size() == 1:
         saved["gradient"] = gradient_check(chunks, active, perturbations, tokens)
         active.clear()
-    if torch.distributed.get_rank() == 0:
-        torch.save(saved, f"{out_dir}/perturbed.pt")
-
-
-if __name__ == "__main__":
-    main()
+    return saved

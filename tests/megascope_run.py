@@ -1,0 +1,58 @@
+"""torchrun worker: capture every hook of a tiny GPT (full forward, and a KV-cache decode step), then the
+perturbation phases (megascope_perturbation_phases.py), and save rank 0's results to OUT_DIR/saved.pt.
+Usage: megascope_run.py OUT_DIR <pretrain_gpt flags>."""
+
+import sys
+
+import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+
+from megascope_model import build, capture, forward
+from megascope_perturbation_phases import perturbation_phases
+
+from megascope.capture import CaptureSpec
+from megascope.hooks import HOOK_NAMES
+
+PROMPT_TOKENS, DECODE_AT = 12, 9
+
+
+def main():
+    out_dir, argv = sys.argv[1], sys.argv[2:]
+    args, chunks = build(argv)
+    for chunk in chunks:
+        chunk.eval()
+    tokens = torch.randint(0, 100, (2, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
+    spec = CaptureSpec.from_json({"hooks": list(HOOK_NAMES), "logit_lens": True, "topk": 5})
+    saved = {"capture": {}}
+    with torch.no_grad():
+        saved["capture"]["full"] = capture(chunks, spec, tokens)
+        # Megatron runs no KV-cache decode under sequence parallelism (one token cannot be split).
+        if not args.sequence_parallel:
+            # KV cache: prefill the first DECODE_AT tokens, then one decode step of the next token.
+            context = StaticInferenceContext(max_batch_size=2, max_sequence_length=16)
+            forward(chunks, tokens[:, :DECODE_AT], inference_context=context)
+            context.sequence_len_offset += DECODE_AT
+            saved["capture"]["decode"] = capture(chunks, spec, tokens[:, DECODE_AT:DECODE_AT + 1],
+                                                 inference_context=context, position_offset=DECODE_AT)
+        if args.attention_backend == "unfused":
+            saved["unfused_probs"] = _unfused_probs(chunks, tokens)
+    saved["perturbation"] = perturbation_phases(chunks, tokens)
+    if torch.distributed.get_rank() == 0:
+        torch.save(saved, f"{out_dir}/saved.pt")
+
+
+def _unfused_probs(chunks, tokens):
+    """megatron-core DotProductAttention's own softmax output per layer (one rank only)."""
+    probs = {}
+    layers = chunks[0].decoder.layers
+    handles = [layer.self_attention.core_attention.scale_mask_softmax.register_forward_hook(
+        lambda _m, _i, out, index=layer.layer_number - 1: probs.__setitem__(index, out.detach().clone()))
+        for layer in layers]
+    forward(chunks, tokens)
+    for handle in handles:
+        handle.remove()
+    return probs
+
+
+if __name__ == "__main__":
+    main()
