@@ -74,7 +74,7 @@ class Capture:
             for layer in model.decoder.layers:
                 if spec.wants_layer(layer.layer_number - 1):
                     self.installer.install_layer_hooks(layer, names, self._store_pattern)
-            if "logits" in names and model.post_process:
+            if "logits" in names and model.post_process and len(model.decoder.layers) > 0:
                 self.installer.handles.append(model.decoder.layers[0].register_forward_pre_hook(
                     self._count_step_tokens, with_kwargs=True))
 

@@ -56,8 +56,19 @@ LAYER_HOOKS = {
     "mlp.out": HookPoint("mlp.out", True, HIDDEN, ("hidden",)),
     "resid_post": HookPoint("resid_post", True, HIDDEN, ("hidden",)),
 }
-HOOK_POINTS = {**MODEL_HOOKS, **LAYER_HOOKS}
+HOOK_POINTS = {"embed": MODEL_HOOKS["embed"], **LAYER_HOOKS, "final_norm": MODEL_HOOKS["final_norm"],
+               "logits": MODEL_HOOKS["logits"]}  # in the order of the forward
 HOOK_NAMES = tuple(HOOK_POINTS)
+
+
+def full_hook_name(hook, layer):
+    """TransformerLens-style full name: ``blocks.{layer}.{hook}`` for per-layer hooks."""
+    return hook if layer is None else f"blocks.{layer}.{hook}"
+
+
+def full_hook_names():
+    """Every hook's full name, ``{l}`` standing for the layer (the welcome message's list)."""
+    return [full_hook_name(name, "{l}" if point.per_layer else None) for name, point in HOOK_POINTS.items()]
 
 
 def hook_point(name, field="hooks"):

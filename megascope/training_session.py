@@ -10,28 +10,20 @@ per iteration and nothing else.
 """
 
 import torch
-from megatron.core import parallel_state
 
 from megascope.capture import Capture, CaptureSpec
 from megascope.errors import ProtocolError
-from megascope.hooks import HOOK_NAMES, MODEL_HOOKS
+from megascope.hooks import full_hook_name, full_hook_names
 from megascope.layer_statistics import LayerStatistics
 from megascope.perturbations import NOISE_TYPES, Perturbation, PerturbationSet
 from megascope.reductions import REDUCTION_FORMS
 from megascope.training_control import TrainingControl
 from megascope.wire import encode_data_frame
 from megascope.ws_server import WebSocketServer
+from megatron.training.errors import UserError
 from megatron.training.training_log import print_rank_0
 
 HEARTBEAT_SECONDS = 1.0
-
-
-def _full_hook_names():
-    return [name if name in MODEL_HOOKS else f"blocks.{{l}}.{name}" for name in HOOK_NAMES]
-
-
-def _hook_label(hook, layer):
-    return hook if layer is None else f"blocks.{layer}.{hook}"
 
 
 def _prefixed(error, prefix):
@@ -53,7 +45,11 @@ class TrainingSession:
         self.control = TrainingControl(start_paused=args.training_ws_wait) if self.is_server else None
         self.server = None
         if self.is_server:
-            self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
+            try:
+                self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
+            except UserError as error:  # the server names the inference flags; this run has the training ones
+                raise UserError(str(error).replace("--ws-host/--ws-port", "--training-ws-host/--training-ws-port")) \
+                    from None
             print_rank_0(f"MegaScope training server on ws://{args.training_ws_host}:{self.server.port}"
                          + (" (waiting for a client to resume or step)" if args.training_ws_wait else ""))
 
@@ -65,7 +61,7 @@ class TrainingSession:
                           "num_query_groups": args.num_query_groups or args.num_attention_heads,
                           "vocab_size": args.padded_vocab_size, "tp": args.tensor_model_parallel_size,
                           "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
-                "hooks": _full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
+                "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
 
     def on_message(self, client, message):
         kind = message["type"]
@@ -165,7 +161,7 @@ class TrainingSession:
 
     def _send_records(self, records):
         for record in records:
-            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": _hook_label(record.hook, record.layer),
+            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": full_hook_name(record.hook, record.layer),
                                   "layer": record.layer, "prompt_index": self.spec.sample,
                                   "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
                                   "dims": list(record.dims), "reduction": record.reduction}, record.values)
