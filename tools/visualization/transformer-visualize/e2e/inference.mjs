@@ -62,9 +62,19 @@ async function main() {
     await screenshot(page, 'attention_heads');
 
     await page.click('[data-test=tab-pca]');
-    const tokensShown = baseline.reduce((n, s) => n + s.prompt.length + s.generated.length, 0);
-    const points = Number(await page.getAttribute('[data-test=pca]', 'data-points'));
-    check(points === tokensShown, `PCA shows ${points} points for ${tokensShown} tokens`);
+    // One point per token the model read: every prompt token and generated token, except that the last
+    // token of a prompt may never have been fed back (no vector exists for it); no token twice.
+    const drawn = JSON.parse(await page.getAttribute('[data-test=pca]', 'data-tokens'));
+    baseline.forEach((s, p) => {
+      const length = s.prompt.length + s.generated.length;
+      const indices = drawn.filter(([prompt]) => prompt === p).map(([, token]) => token).sort((a, b) => a - b);
+      const read = Array.from({ length: length - 1 }, (_, i) => i);
+      check(new Set(indices).size === indices.length, `PCA of prompt ${p} draws a token twice: ${indices}`);
+      check(same(indices, read) || same(indices, [...read, length - 1]),
+        `PCA of prompt ${p} (${length} tokens) draws tokens ${indices}`);
+    });
+    check(Number(await page.getAttribute('[data-test=pca]', 'data-points')) === drawn.length, 'the PCA point count is not what it draws');
+    console.log(`PCA: ${drawn.length} points for ${baseline.map((s) => s.prompt.length + s.generated.length).join(' + ')} tokens`);
     await screenshot(page, 'pca');
 
     await page.click('[data-test=tab-perturbations]');

@@ -1,5 +1,6 @@
 // One WebSocket connection to a MegaScope backend: says hello first, hands every JSON message and
 // decoded data frame to its listeners, and reconnects (with growing delays) after the backend goes away.
+import { nextFrame } from '../lib/nextFrame';
 import { decodeDataFrame, FrameError, type DataFrame } from './dataFrame';
 import { parseServerMessage, PROTOCOL_VERSION, type ClientMessage, type ServerMessage, type Welcome } from './messages';
 
@@ -92,8 +93,7 @@ export class MegascopeClient {
   private enqueue(data: unknown): void {
     this.queue.push(data);
     if (this.queue.length > 1) return;
-    const later = typeof requestAnimationFrame === 'function' ? requestAnimationFrame : (f: () => void) => setTimeout(f, 0);
-    later(() => {
+    nextFrame(() => {
       const batch = this.queue;
       this.queue = [];
       for (const item of batch) this.receive(item);

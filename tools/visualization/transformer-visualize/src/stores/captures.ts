@@ -4,6 +4,7 @@ import { defineStore } from 'pinia';
 import { markRaw, ref } from 'vue';
 import type { DataFrame } from '../protocol/dataFrame';
 import { addFrame, type CaptureSeries } from '../lib/captureSeries';
+import { nextFrame } from '../lib/nextFrame';
 
 export const useCapturesStore = defineStore('captures', () => {
   const series = markRaw(new Map<string, CaptureSeries>());
@@ -28,8 +29,7 @@ export const useCapturesStore = defineStore('captures', () => {
   function publish(): void {
     if (pending) return;
     pending = true;
-    const later = typeof requestAnimationFrame === 'function' ? requestAnimationFrame : (f: () => void) => setTimeout(f, 16);
-    later(() => {
+    nextFrame(() => {
       pending = false;
       version.value += 1;
     });
