@@ -27,6 +27,9 @@ pytestmark = pytest.mark.skipif(not (NPM and NODE), reason="Node.js and npm are 
 
 def run_in_page(*command, env=None, timeout=600):
     """Run a command in the page's folder; its output is in the assertion message when it fails."""
+    env = dict(env or {})
+    if os.environ.get("MEGASCOPE_SCREENSHOTS"):  # a folder named from where pytest runs, not from the page's
+        env["MEGASCOPE_SCREENSHOTS"] = os.path.abspath(os.environ["MEGASCOPE_SCREENSHOTS"])
     done = subprocess.run(command, cwd=PAGE, env=child_env(env), capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
     return done.stdout
