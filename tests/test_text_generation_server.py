@@ -3,6 +3,8 @@ one rank and over a pipeline of two; bad requests get a 400 or an error frame na
 server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it."""
 
 import json
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -10,6 +12,7 @@ import websockets
 
 from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
+from launch import REPO, run_script
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]
@@ -261,3 +264,26 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
     frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
     assert {"type": "capture_set", "capture": {"hooks": ["resid_post"], "layers": [0, 1], "reduction": "norm"}} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
+
+
+def test_a_bad_flag_is_one_line_and_exit_code_2():
+    result = run_script("tools/run_text_generation_server.py", TINY_SERVER + ["--ws-port", "99999"])
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == \
+        "run_text_generation_server.py: error: --ws-port 99999: a port is 0..65535"
+
+
+def test_the_page_build_is_served_at_the_root_when_there_is_one(server):
+    index = REPO / "tools/visualization/transformer-visualize/dist/index.html"
+    try:
+        with urllib.request.urlopen(server.rest + "/", timeout=60) as answer:
+            status, body = answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        status, body = error.code, error.read()
+    if index.is_file():
+        assert (status, body) == (200, index.read_bytes())
+    else:
+        assert status == 404 and b"no page build" in body
+    with pytest.raises(urllib.error.HTTPError) as outside:
+        urllib.request.urlopen(server.rest + "/../../etc/passwd", timeout=60)
+    assert outside.value.code == 404
