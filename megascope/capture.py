@@ -162,7 +162,10 @@ class Capture:
         return records
 
     def collect(self, step=0, token_offset=0):
-        """Collective over the model-parallel group: on its first rank the Records of this step, else []."""
+        """Collective over the model-parallel group: on its first rank the Records of this step, else [].
+
+        ``token_offset``: the sequence position of this forward's first token (a decode step's position).
+        ``step`` is the caller's own count (records carry no step: the caller stamps its frames)."""
         whole = self._whole_tensors()
         first_of_stage = parallel_state.get_tensor_model_parallel_rank() == 0
         local = []

@@ -21,6 +21,7 @@ from megascope.training_control import TrainingControl
 from megascope.wire import encode_data_frame
 from megascope.ws_server import WebSocketServer
 from megatron.training.errors import UserError
+from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import print_rank_0
 
 HEARTBEAT_SECONDS = 1.0
@@ -45,6 +46,8 @@ class TrainingSession:
         self.control = TrainingControl(start_paused=args.training_ws_wait) if self.is_server else None
         self.server = None
         if self.is_server:
+            # The tokenizer's vocabulary (the output layer's padding rows are no tokens), for the welcome.
+            self.vocab_size = build_tokenizer(args).vocab_size
             try:
                 self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
             except UserError as error:  # the server names the inference flags; this run has the training ones
@@ -59,7 +62,7 @@ class TrainingSession:
         return {"model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                           "num_attention_heads": args.num_attention_heads,
                           "num_query_groups": args.num_query_groups or args.num_attention_heads,
-                          "vocab_size": args.padded_vocab_size, "tp": args.tensor_model_parallel_size,
+                          "vocab_size": self.vocab_size, "tp": args.tensor_model_parallel_size,
                           "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
                 "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
 

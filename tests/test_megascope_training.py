@@ -15,6 +15,7 @@ from websockets.sync.client import connect
 from launch import REPO, child_env, free_port, kill_process_tree, torchrun, torchrun_command
 
 from megascope import PLUGIN
+from megascope.wire import decode_data_frame
 from megatron.training.errors import ArgumentError
 
 TRAIN = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
@@ -54,6 +55,8 @@ class TrainingJob:
         self.send({"type": "hello", "protocol": 1})
         welcome = self.receive()
         assert welcome["type"] == "welcome" and welcome["mode"] == "training", welcome
+        # NullTokenizer: --vocab-size ids plus its end-of-document token, not the 128 padded rows
+        assert welcome["model"]["vocab_size"] == 101 and welcome["model"]["num_layers"] == 4, welcome
         return welcome
 
     def send(self, message):
@@ -136,19 +139,27 @@ def _streamed_run(nproc, flags):
     job = TrainingJob(nproc, ["--train-iters", "3", "--training-ws-wait", *flags])
     try:
         job.connect()
+        job.send({"type": "set_capture", "capture": {"hooks": ["attn.pattern", "mlp.out", "logits"],
+                                                     "reduction": "norm", "sample": 3}})
         job.send({"type": "train", "action": "resume"})
         messages = job.until(lambda m: m["type"] == "iteration" and m["iteration"] == 3)
         code, output = job.finish()
         assert code == 0, output[-3000:]
-        return [m for m in messages if isinstance(m, dict) and m["type"] == "iteration"], output
+        frames = [decode_data_frame(m) for m in messages if isinstance(m, bytes)]
+        captured = {(header["step"], header["hook"]): values for header, values in frames}
+        return [m for m in messages if isinstance(m, dict) and m["type"] == "iteration"], captured, output
     finally:
         job.close()
 
 
-def test_per_layer_norms_are_equal_at_tp2_pp2_and_one_rank_with_one_server():
-    single, _ = _streamed_run(1, [])
-    parallel, output = _streamed_run(4, TP2_PP2)
+def test_per_layer_norms_and_the_samples_capture_are_equal_at_tp2_pp2_and_one_rank_with_one_server():
+    single, single_captured, _ = _streamed_run(1, [])
+    parallel, captured, output = _streamed_run(4, TP2_PP2)
     assert output.count("MegaScope training server on") == 1
+    # the chosen sample's internals, every iteration: 4 layers x (pattern, mlp.out) + logits
+    assert captured.keys() == single_captured.keys() and len(captured) == 3 * 9
+    for key, values in single_captured.items():
+        assert captured[key] == pytest.approx(values, rel=2e-3, abs=1e-3), key
     assert [m["iteration"] for m in parallel] == [1, 2, 3]
     for got, want in zip(parallel, single):
         for key in ("lm_loss", "grad_norm", "lr"):
