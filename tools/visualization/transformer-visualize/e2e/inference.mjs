@@ -31,6 +31,15 @@ async function main() {
     for (let p = 0; p < PROMPTS.length; p++) await page.fill(`[data-test=prompt-${p}]`, PROMPTS[p]);
     await page.fill('[data-test=tokens]', String(TOKENS));
     await page.fill('[data-test=seed]', String(SEED));
+    // A request the server refuses: its error frame is shown, and the page can generate again.
+    await page.fill('[data-test=temperature]', '0');
+    await page.click('[data-test=generate]');
+    const refusal = await page.waitForSelector('[data-test=errors] .error', { timeout: 60000 }).then((e) => e.textContent());
+    check(/bad_field: .*\(field temperature\)/.test(refusal), `the refusal of temperature 0 reads: ${refusal}`);
+    await page.waitForSelector('[data-test=generate]:enabled');
+    await screenshot(page, 'error');
+    await page.click('[data-test=dismiss-errors]');
+    await page.fill('[data-test=temperature]', '1');
     const baseline = await generateAndRead(page);
     check(baseline.every((s) => s.generated.length === TOKENS || s.generated.length > 0), `tokens missing: ${JSON.stringify(baseline)}`);
 

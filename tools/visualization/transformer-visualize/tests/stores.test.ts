@@ -140,12 +140,16 @@ describe('generation, captures and perturbations stores', () => {
   it('rejects a generation the server refuses, and applies perturbations when the server reports the set', async () => {
     const connection = await connected((message, reply) => {
       welcoming(message, reply);
-      if (message.type === 'generate') reply({ type: 'error', code: 'busy', message: 'a generation is running; wait for it to finish.', id: message.id });
+      if (message.type === 'generate' && (message.prompts as string[])[0] === 'busy') reply({ type: 'error', code: 'busy', message: 'a generation is running; wait for it to finish.', id: message.id });
+      if (message.type === 'generate' && (message.prompts as string[])[0] === 'no id') reply({ type: 'error', code: 'bad_field', message: 'temperature must be > 0.', field: 'temperature' });
       if (message.type === 'perturb') reply({ type: 'perturbations', active: message.perturbations as object[] });
     });
     const generation = useGenerationStore(pinia);
+    generation.params.prompts = ['busy'];
     await expect(generation.generate(connection.send, null, [])).rejects.toThrow(/busy/);
     expect(generation.current?.error).toMatch(/^busy: /);
+    generation.params.prompts = ['no id'];  // a refusal without the request's id, before the generation started
+    await expect(generation.generate(connection.send, null, [])).rejects.toThrow(/bad_field/);
     const perturbations = usePerturbationsStore(pinia);
     perturbations.add('system', 'gaussian', WELCOME.hooks);
     await perturbations.apply(connection.send, perturbations.draft);

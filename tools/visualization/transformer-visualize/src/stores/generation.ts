@@ -100,13 +100,17 @@ export const useGenerationStore = defineStore('generation', () => {
         waiting.get(message.id)?.resolve(message);
         waiting.delete(message.id);
         break;
-      case 'error':
-        if (run && message.id !== undefined && String(message.id) === run.id) run.error = `${message.code}: ${message.message}`;
-        if (message.id !== undefined && waiting.has(String(message.id))) {
-          waiting.get(String(message.id))!.reject(new Error(`${message.code}: ${message.message}`));
-          waiting.delete(String(message.id));
-        }
+      case 'error': {
+        // The refusal of a generate names its id; one without an id that comes before the generation
+        // started is taken as that refusal too (a server may not have read the id of a malformed request).
+        const pending = run !== null && run.done === null && run.error === null && run.promptTokens.length === 0;
+        const id = message.id !== undefined ? String(message.id) : pending ? run!.id : undefined;
+        if (id === undefined) break;
+        if (run && id === run.id) run.error = `${message.code}: ${message.message}`;
+        waiting.get(id)?.reject(new Error(`${message.code}: ${message.message}`));
+        waiting.delete(id);
         break;
+      }
     }
   }
 
