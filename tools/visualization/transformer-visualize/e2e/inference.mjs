@@ -1,0 +1,120 @@
+// End-to-end, inference mode, against the real backend (tools/run_text_generation_server.py with
+// --enable-ws-server): connect, two prompts, 8 tokens, tokens equal to the REST answer for the same seed,
+// attention canvas painted, one PCA point per token, a perturbation changes the tokens and removing it
+// restores them. Screenshots of every view.
+//   MEGASCOPE_HTTP=http://127.0.0.1:5000 MEGASCOPE_WS=ws://127.0.0.1:5001/ node e2e/inference.mjs
+import { check, connect, launch, reportFailure, paintedPixels, screenshot } from './browser.mjs';
+
+const HTTP = process.env.MEGASCOPE_HTTP;
+const WS = process.env.MEGASCOPE_WS;
+const PROMPTS = ['The quick brown fox', 'Once upon a time there'];
+const TOKENS = 8;
+const SEED = 1234;
+
+async function generateAndRead(page) {
+  await page.click('[data-test=tab-generate]');
+  await page.click('[data-test=generate]');
+  for (let p = 0; p < PROMPTS.length; p++) await page.waitForSelector(`[data-test=done-${p}]`, { timeout: 120000 });
+  return page.$$eval('[data-test^=stream-]', (streams) => streams.map((stream) => ({
+    prompt: [...stream.querySelectorAll('.prompt-token')].map((t) => Number(t.dataset.tokenId)),
+    generated: [...stream.querySelectorAll('[data-test=gen-token]')].map((t) => Number(t.dataset.tokenId)),
+  })));
+}
+
+const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
+
+async function main() {
+  check(HTTP && WS, 'set MEGASCOPE_HTTP (the REST server, which also serves the page) and MEGASCOPE_WS');
+  const { browser, page } = await launch();
+  try {
+    await connect(page, `${HTTP}/`, WS, 'inference');
+    for (let p = 0; p < PROMPTS.length; p++) await page.fill(`[data-test=prompt-${p}]`, PROMPTS[p]);
+    await page.fill('[data-test=tokens]', String(TOKENS));
+    await page.fill('[data-test=seed]', String(SEED));
+    // A request the server refuses: its error frame is shown, and the page can generate again.
+    await page.fill('[data-test=temperature]', '0');
+    await page.click('[data-test=generate]');
+    const refusal = await page.waitForSelector('[data-test=errors] .error', { timeout: 60000 }).then((e) => e.textContent());
+    check(/bad_field: .*\(field temperature\)/.test(refusal), `the refusal of temperature 0 reads: ${refusal}`);
+    await page.waitForSelector('[data-test=generate]:enabled');
+    await screenshot(page, 'error');
+    await page.click('[data-test=dismiss-errors]');
+    await page.fill('[data-test=temperature]', '1');
+    const baseline = await generateAndRead(page);
+    check(baseline.every((s) => s.generated.length === TOKENS || s.generated.length > 0), `tokens missing: ${JSON.stringify(baseline)}`);
+
+    const rest = await fetch(`${HTTP}/api`, {
+      method: 'PUT', headers: { 'Content-Type': 'application/json' },
+      body: JSON.stringify({ prompts: PROMPTS, tokens_to_generate: TOKENS, random_seed: SEED, temperature: 1.0, top_k: 0, top_p: 0.0 }),
+    }).then((r) => r.json());
+    baseline.forEach((s, p) => check(same(rest.tokens[p], [...s.prompt, ...s.generated]),
+      `prompt ${p}: the page shows ${JSON.stringify(s)}, REST answered ${JSON.stringify(rest.tokens[p])}`));
+    console.log(`tokens match REST: ${JSON.stringify(baseline.map((s) => s.generated))}`);
+
+    await page.click('[data-test=stream-0] [data-test=gen-token] >> nth=2');
+    await page.waitForSelector('[data-test=logit-lens]');
+    await screenshot(page, 'generate');
+
+    await page.click('[data-test=tab-vectors]');
+    await screenshot(page, 'vectors');
+
+    await page.click('[data-test=tab-attention]');
+    const attention = '[data-test=attention-canvas] canvas.heatmap-canvas';
+    await page.waitForSelector(attention);
+    await page.waitForFunction((s) => document.querySelector(s).width > 0, attention);
+    await page.waitForTimeout(100);  // the heatmap draws on the next animation frame
+    const painted = await paintedPixels(page, attention);
+    check(painted > 1000, `the attention heatmap canvas has ${painted} non-background pixels`);
+    await page.hover(attention, { position: { x: 200, y: 300 } });
+    await screenshot(page, 'attention');
+    await page.selectOption('[data-test=attn-head]', 'all');
+    await screenshot(page, 'attention_heads');
+
+    await page.click('[data-test=tab-pca]');
+    // One point per token the model read: every prompt token and generated token, except that the last
+    // token of a prompt may never have been fed back (no vector exists for it); no token twice.
+    const drawn = JSON.parse(await page.getAttribute('[data-test=pca]', 'data-tokens'));
+    baseline.forEach((s, p) => {
+      const length = s.prompt.length + s.generated.length;
+      const indices = drawn.filter(([prompt]) => prompt === p).map(([, token]) => token).sort((a, b) => a - b);
+      const read = Array.from({ length: length - 1 }, (_, i) => i);
+      check(new Set(indices).size === indices.length, `PCA of prompt ${p} draws a token twice: ${indices}`);
+      check(same(indices, read) || same(indices, [...read, length - 1]),
+        `PCA of prompt ${p} (${length} tokens) draws tokens ${indices}`);
+    });
+    check(Number(await page.getAttribute('[data-test=pca]', 'data-points')) === drawn.length, 'the PCA point count is not what it draws');
+    console.log(`PCA: ${drawn.length} points for ${baseline.map((s) => s.prompt.length + s.generated.length).join(' + ')} tokens`);
+    await screenshot(page, 'pca');
+
+    await page.click('[data-test=tab-perturbations]');
+    await page.click('[data-test=add-storage]');
+    await page.fill('[data-test=scale-0]', '10');
+    await page.click('[data-test=apply-perturbations]');
+    await page.waitForSelector('[data-test=active-perturbations] .chip');
+    const perturbed = await generateAndRead(page);
+    check(!same(perturbed.map((s) => s.generated), baseline.map((s) => s.generated)), 'the perturbation did not change the generated tokens');
+    await page.click('[data-test=tab-perturbations]');
+    await page.click('[data-test=clear-perturbations]');
+    await page.waitForSelector('[data-test=active-perturbations] .chip', { state: 'detached' });
+    const restored = await generateAndRead(page);
+    check(same(restored, baseline), `removing the perturbation did not restore the tokens: ${JSON.stringify(restored)} vs ${JSON.stringify(baseline)}`);
+    console.log('perturbation changed the tokens; removing it restored them');
+
+    await page.click('[data-test=tab-perturbations]');
+    await page.click('[data-test=compare]');
+    await page.waitForSelector('[data-test=compare-summary]', { timeout: 120000 });
+    await page.waitForSelector('[data-test=compare]:enabled');
+    await screenshot(page, 'perturbations');
+    await page.click('[data-test=clear-perturbations]');
+  } catch (error) {
+    await reportFailure(page);
+    throw error;
+  } finally {
+    await browser.close();
+  }
+}
+
+main().then(() => console.log('e2e inference: passed'), (error) => {
+  console.error(error.message);
+  process.exit(1);
+});

@@ -1,0 +1,10 @@
+import { createApp } from 'vue';
+import { createPinia } from 'pinia';
+import App from './App.vue';
+import { wireStores } from './stores/wiring';
+import './style.css';
+
+const pinia = createPinia();
+const app = createApp(App).use(pinia);
+wireStores(pinia);
+app.mount('#app');
