@@ -17,7 +17,7 @@ import contextlib
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.schedules import backward_step, forward_step
+from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config, get_model_type
 
 from megafbd.coordinator import TAG_INPUT_GRAD, TAG_STAGE_INPUT, receive
@@ -58,7 +58,10 @@ class BackwardSchedule:
                     parallel_state.get_context_parallel_world_size(), is_first_microbatch=microbatch == 0,
                     current_microbatch=microbatch, is_last_stage=last)
                 total_tokens += tokens
-                output_grad = None if last else self._receive_output_grad(device)
+                output_grad = None
+                if not last:  # nobody reads this output: the forward instance sent the next stage its own
+                    deallocate_output_tensor(output, config.deallocate_pipeline_outputs)
+                    output_grad = self._receive_output_grad(device)
                 input_grad = backward_step(stage_input, output, output_grad, get_model_type(chunk), config)
                 if not first:
                     self.coordinator.send(self.instance.chain_group, input_grad,
