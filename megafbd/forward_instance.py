@@ -15,7 +15,7 @@ import signal
 import torch
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.training.model_setup import build_model
 from megatron.training.training import build_iterators
@@ -45,6 +45,10 @@ class ForwardInstance:
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()
         self.device = torch.device(torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+        # The other plugins see this loop as a training loop without an optimizer (MegaScan traces it).
+        self.plugins = parts.registry
+        self.plugins.call("after_setup", args, [self.model], None, None)
+        self.forward_pass = self.plugins.wrap_schedule(args, self._forward_microbatches)
 
     def _on_sigterm(self, signum, frame):
         self.sigterm_received = True
@@ -70,8 +74,13 @@ class ForwardInstance:
             # The weights of step iteration-1 are on their way; the model must hold step iteration-1-staleness.
             self._post_weights(pending, up_to=iteration - 1)
             self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
-            self._forward_microbatches()
+            self.plugins.call("on_iteration_begin", self.args, iteration)
+            self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
+                              model=[self.model])
+            self.plugins.call("on_iteration_end", self.args, iteration, {"losses": {}, "grad_norm": None,
+                                                                        "skipped": False})
             iterations += 1
+        self.plugins.call("on_train_end", self.args, iteration)
         self.coordinator.close()
         self._report(iterations)
 
@@ -90,9 +99,10 @@ class ForwardInstance:
         return build_iterators(self.args, self.parts.dataset_provider, self.parts.tokenizer, 1, consumed)[0]
 
     @torch.no_grad()
-    def _forward_microbatches(self):
-        data = self.data_iterator
+    def _forward_microbatches(self, forward_step_func, data_iterator, model):
+        """One iteration's forwards, called as a schedule is (so that a tracer can wrap it)."""
         set_input_tensor = get_attr_wrapped_model(self.model, "set_input_tensor")
+        config = get_model_config(self.model)
         for _ in range(get_num_microbatches()):
             stage_input = None
             if not self.first:
@@ -101,7 +111,11 @@ class ForwardInstance:
                                       self.device)
             if not self.last:
                 set_input_tensor([stage_input])
-                output, _ = self.parts.forward_step_func(data, self.model)
+                if config.timers is not None:  # megatron-core's schedules time their forwards so
+                    config.timers("forward-compute").start()
+                output, _ = forward_step_func(data_iterator, self.model)
+                if config.timers is not None:
+                    config.timers("forward-compute").stop()
                 self.coordinator.send(self.instance.chain_group, output,
                                       parallel_state.get_pipeline_model_parallel_next_rank(), TAG_ACTIVATION)
             if not self.first:

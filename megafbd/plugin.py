@@ -60,13 +60,20 @@ class MegaFBDPlugin:
         ForwardInstance(args, self.instance, parts).run()
         return True
 
+    # The loop's hooks below act on backward instances only: a forward instance calls the plugins'
+    # hooks from its own loop for the other plugins' sake (tracing).
+
     def after_setup(self, args, model, optimizer, scheduler):
+        if not is_backward(self.instance):
+            return
         from megafbd.weight_sync import WeightSync
 
         self.coordinator = Coordinator("backward")
         self.weights = WeightSync.for_backward(self.instance, model[0], args.fbd_checksum_interval, self.coordinator)
 
     def forward_backward_func(self, args):
+        if not is_backward(self.instance):
+            return None
         from megafbd.backward_schedule import BackwardSchedule
 
         return BackwardSchedule(args, self.instance, self.coordinator)
@@ -86,12 +93,16 @@ class MegaFBDPlugin:
             os.kill(os.getpid(), signal.SIGTERM)
 
     def on_iteration_begin(self, args, iteration):
-        self._command(GO, iteration)
+        if is_backward(self.instance):
+            self._command(GO, iteration)
 
     def on_iteration_end(self, args, iteration, metrics):
-        self.weights.send(iteration)
+        if is_backward(self.instance):
+            self.weights.send(iteration)
 
     def on_train_end(self, args, iteration):
+        if not is_backward(self.instance):
+            return
         self._command(STOP, iteration)
         self.weights.send_checksum()
         self.coordinator.close()

@@ -51,6 +51,9 @@ def configure_forward_process(args, layout):
         args.device = args.fbd_forward_device
         args.distributed_backend = "gloo" if args.device == "cpu" else args.distributed_backend
     args.world_size = layout.forward_size
+    if getattr(args, "trace", False):
+        # The forward instances are a world of their own: their traces merge on their own.
+        args.trace_dir = os.path.join(args.trace_dir, FORWARD)
 
 
 def start_instance(args, layout):
@@ -59,6 +62,7 @@ def start_instance(args, layout):
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     store, _, _ = next(torch.distributed.rendezvous("env://", global_rank, layout.world_size, timeout=timeout))
     kind = layout.kind(global_rank)
+    args.instance_kind = kind
     if kind == FORWARD:
         configure_forward_process(args, layout)
     kind_rank = layout.kind_rank(global_rank)

@@ -7,9 +7,11 @@ to keep the launches few: the reference is one normal process with --recompute-g
 
 import concurrent.futures
 import functools
+import json
 import shutil
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -28,7 +30,7 @@ FBD = ["--forward-backward-disaggregating", "--fbd-checksum-interval", "2"]
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _train(nproc, data, *flags):
+def _train(data, nproc, *flags):
     result = torchrun(nproc, "pretrain_gpt.py", TINY_GPT + gpt_data_args(data) + RECOMPUTE + list(map(str, flags)))
     assert_succeeded(result)
     return result
@@ -46,10 +48,11 @@ def _checkpoint_at(source, iteration, destination):
 def runs(gpt_data, tmp_path_factory):
     """The normal reference run and the FBD runs, each saving at RESUME_AT; launched once for all tests."""
     root = tmp_path_factory.mktemp("megafbd")
-    train = functools.partial(_train, data=gpt_data)
+    train = functools.partial(_train, gpt_data)
     normal = train(1, "--train-iters", ITERATIONS, "--save", root / "normal", "--save-interval", RESUME_AT)
     pp2 = train(4, *FBD, "--pipeline-model-parallel-size", 2, "--train-iters", ITERATIONS,
-                "--save", root / "fbd", "--save-interval", RESUME_AT)
+                "--save", root / "fbd", "--save-interval", RESUME_AT,
+                "--trace", "--trace-dir", root / "trace", "--trace-interval", 3, "--continuous-trace-iterations", 1)
     return {"normal": normal, "pp2": pp2, "root": root, "data": gpt_data}
 
 
@@ -72,13 +75,27 @@ def test_pp2_staleness_0_gives_the_losses_of_a_normal_run_and_identical_weights(
     assert len(reports) == 2 and all(f"{ITERATIONS} iterations, weights checked 4 times" in r for r in reports), reports
 
 
+@pytest.mark.parametrize("kind, directory", [("backward", "trace"), ("forward", "trace/forward")])
+def test_trace_records_both_kinds_and_each_merges_and_is_checked(runs, kind, directory):
+    trace_dir = runs["root"] / directory
+    files = sorted(trace_dir.glob("benchmark-data-*.json"))
+    assert len(files) == 2
+    for path in files:
+        metadata = json.loads(path.read_text().splitlines()[0])
+        assert metadata["instance_kind"] == kind and metadata["world_size"] == 2, metadata
+    result = subprocess.run([sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(trace_dir), "-d"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert "MegaScan detection: no suspect" in result.stdout and (trace_dir / "benchmark.json").is_file()
+
+
 @pytest.mark.parametrize("layout, nproc, flags", [
     ("pp1_dp1_forward_on_cpu", 2, ["--fbd-forward-device", "cpu"]),
     ("dp2_distributed_optimizer", 4, ["--use-distributed-optimizer"]),
     ("tp2", 4, ["--tensor-model-parallel-size", 2]),
 ])
 def test_layout_gives_the_losses_of_a_normal_run(runs, layout, nproc, flags):
-    result = _train(nproc, runs["data"], *FBD, *flags, "--train-iters", RESUME_AT)
+    result = _train(runs["data"], nproc, *FBD, *flags, "--train-iters", RESUME_AT)
     _assert_losses_equal(result, runs["normal"], range(1, RESUME_AT + 1))
     assert len(_forward_reports(result)) == nproc // 2
 
@@ -86,7 +103,7 @@ def test_layout_gives_the_losses_of_a_normal_run(runs, layout, nproc, flags):
 def test_normal_checkpoint_resumes_an_fbd_run_at_tp2_ignoring_forward_tp_with_sequence_parallel(runs, tmp_path):
     # 6 processes: per stage two TP2 backward processes and one TP1 forward process.
     load = _checkpoint_at(runs["root"] / "normal", RESUME_AT, tmp_path / "from_normal")
-    result = _train(6, runs["data"], *FBD, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+    result = _train(runs["data"], 6, *FBD, "--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
                     "--ignore-forward-tensor-parallel", "--sequence-parallel", "--train-iters", ITERATIONS,
                     "--load", load)
     _assert_losses_equal(result, runs["normal"], range(RESUME_AT + 1, ITERATIONS + 1))
@@ -95,7 +112,7 @@ def test_normal_checkpoint_resumes_an_fbd_run_at_tp2_ignoring_forward_tp_with_se
 
 def test_fbd_checkpoint_resumes_a_normal_run(runs, tmp_path):
     load = _checkpoint_at(runs["root"] / "fbd", RESUME_AT, tmp_path / "from_fbd")
-    result = _train(1, runs["data"], "--train-iters", ITERATIONS, "--load", load)
+    result = _train(runs["data"], 1, "--train-iters", ITERATIONS, "--load", load)
     _assert_losses_equal(result, runs["normal"], range(RESUME_AT + 1, ITERATIONS + 1))
 
 

@@ -166,6 +166,7 @@ class JobParts:
     model_provider: object
     dataset_provider: object
     forward_step_func: object
+    registry: PluginRegistry  # the other plugins' hooks (tracing) for the process's own loop
 
 
 @dataclass
@@ -194,7 +195,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     start = time.time()
     initialize_megatron(args, functools.partial(registry.first_that_handles, "start_process_group"))
     parts = JobParts(tokenizer, functools.partial(model_provider, args), dataset_provider,
-                     functools.partial(forward_step_func, args))
+                     functools.partial(forward_step_func, args), registry)
     if registry.first_that_handles("run_process", args, parts):
         shutdown()
         return None
