@@ -103,12 +103,12 @@ def test_layout_gives_the_losses_of_a_normal_run(runs, layout, nproc, flags):
 def test_weights_that_drift_apart_stop_the_run_with_one_line_naming_the_stage(gpt_data):
     env = {"MEGATRON_PLUGINS": "weight_drift_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
     result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + RECOMPUTE + FBD + [
-        "--train-iters", "2", "--drift-weights-at-iteration", "2"], env=env)
+        "--train-iters", "3", "--drift-weights-at-iteration", "3"], env=env)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     assert len(lines) == 1 and lines[0].startswith(
         "pretrain_gpt.py: error: megafbd: the forward and backward weights of pipeline stage 0 (data-parallel "
-        "replica 0, backward link rank 0) differ at the end (iteration 2)"), result.stderr[-3000:]
+        "replica 0, backward link rank 0) differ at the end (iteration 3)"), result.stderr[-3000:]
 
 
 def test_normal_checkpoint_resumes_an_fbd_run_at_tp2_ignoring_forward_tp_with_sequence_parallel(runs, tmp_path):
