@@ -73,8 +73,8 @@ def run_case(nproc, flags, common, timeout):
                "--master-port", str(29500 + os.getpid() % 1000), str(REPO / "pretrain_gpt.py"), *common, *flags]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
     peaks = {}
-    with open(os.devnull, "w") as devnull, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                                             stderr=devnull, text=True) as job:
+    with tempfile.TemporaryFile("w+") as errors, subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                                                                   stderr=errors, text=True) as job:
         launcher, start = psutil.Process(job.pid), time.time()
         output = []
         reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
@@ -89,7 +89,11 @@ def run_case(nproc, flags, common, timeout):
         if job.poll() is None:
             job.kill()
         reader.join(timeout=10)
+        errors.seek(0)
+        error_tail = errors.read()[-1500:]
     log = "".join(output)
+    if job.returncode != 0:
+        print(f"(exit {job.returncode}; the end of its stderr:)\n{error_tail}", file=sys.stderr)
     times = [float(ms) for it, ms in _ITERATION_MS.findall(log) if int(it) > 2]
     return job.returncode, (statistics.median(times) if times else None), peaks, log
 

@@ -90,7 +90,6 @@ def test_trace_records_both_kinds_and_each_merges_and_is_checked(runs, kind, dir
 
 
 @pytest.mark.parametrize("layout, nproc, flags", [
-    ("pp1_dp1_forward_on_cpu", 2, ["--fbd-forward-device", "cpu"]),
     ("dp2_distributed_optimizer", 4, ["--use-distributed-optimizer"]),
     ("tp2", 4, ["--tensor-model-parallel-size", 2]),
 ])
@@ -98,6 +97,13 @@ def test_layout_gives_the_losses_of_a_normal_run(runs, layout, nproc, flags):
     result = _train(runs["data"], nproc, *FBD, *flags, "--train-iters", RESUME_AT)
     _assert_losses_equal(result, runs["normal"], range(1, RESUME_AT + 1))
     assert len(_forward_reports(result)) == nproc // 2
+
+
+def test_bf16_with_the_forward_instance_on_cpu_gives_the_losses_of_a_normal_bf16_run(runs):
+    normal = _train(runs["data"], 1, "--bf16", "--train-iters", RESUME_AT)
+    result = _train(runs["data"], 2, *FBD, "--bf16", "--fbd-forward-device", "cpu", "--train-iters", RESUME_AT)
+    _assert_losses_equal(result, normal, range(1, RESUME_AT + 1))
+    assert "forward instances (TP1 x PP1 x DP1, cpu)" in result.stdout
 
 
 def test_weights_that_drift_apart_stop_the_run_with_one_line_naming_the_stage(gpt_data):
