@@ -30,14 +30,23 @@ def is_tensor_parallel(param):
 
 
 _INTEGER_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_CHECKSUM_BLOCK = 1 << 20  # elements at a time: the int64 copies of a whole model would double its memory
 
 
 def checksum(tensors):
-    """Two wrapping 64-bit integer sums over the bit patterns (plain and position-weighted): exact everywhere."""
-    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    bits = flat.view(_INTEGER_VIEW[flat.dtype]).to(torch.int64)
-    weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % 65521 + 1
-    return torch.stack([bits.sum(), (bits * weights).sum()]).cpu()
+    """Two wrapping 64-bit integer sums over the bit patterns (plain and position-weighted), taken over the
+    tensors as if concatenated: exact on every device (integer sums do not depend on their order)."""
+    plain = weighted = 0
+    position = 0
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1)
+        for start in range(0, flat.numel(), _CHECKSUM_BLOCK):
+            bits = flat[start:start + _CHECKSUM_BLOCK].view(_INTEGER_VIEW[flat.dtype]).to(torch.int64)
+            weights = (torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) + position) % 65521 + 1
+            plain = plain + bits.sum()
+            weighted = weighted + (bits * weights).sum()
+            position += bits.numel()
+    return torch.stack([torch.as_tensor(plain), torch.as_tensor(weighted)]).to(device="cpu", dtype=torch.int64)
 
 
 class WeightSync:
