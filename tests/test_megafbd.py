@@ -188,7 +188,8 @@ ERRORS = {
 def error_results():
     # Each run spends seconds importing megatron-core: run them side by side.
     with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(run_script, "pretrain_gpt.py", TINY_GPT + MOCK + flags, {"WORLD_SIZE": size})
+        futures = {name: pool.submit(run_script, "pretrain_gpt.py", TINY_GPT + MOCK + flags, {"WORLD_SIZE": size},
+                                     timeout=300)
                    for name, (flags, size, _) in ERRORS.items()}
         return {name: future.result() for name, future in futures.items()}
 
