@@ -15,8 +15,9 @@ import os
 import re
 import statistics
 import subprocess
-import threading
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 

@@ -39,8 +39,9 @@ class ForwardInstance:
             param.requires_grad_(False)
         self.model.eval()  # no dropout here: the backward instance's recomputation draws it
         self.weights = WeightSync.for_forward(instance, self.model, args.fbd_checksum_interval)
-        self.coordinator = Coordinator(instance.describe().split(" (")[0])
+        self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}")
         self.data_iterator = None
+        self.start_step = None  # the step whose weights training starts from (iteration - 1 after --load)
         self.next_step = None  # the first step whose weights are not yet asked for
         self.first = parallel_state.is_pipeline_first_stage()
         self.last = parallel_state.is_pipeline_last_stage()

@@ -68,7 +68,7 @@ class MegaFBDPlugin:
             return
         from megafbd.weight_sync import WeightSync
 
-        self.coordinator = Coordinator("backward")
+        self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}")
         self.weights = WeightSync.for_backward(self.instance, model[0], args.fbd_checksum_interval, self.coordinator)
 
     def forward_backward_func(self, args):
