@@ -12,7 +12,6 @@ produce without waiting on this receiver (see docs/megafbd.md).
 
 import queue
 import threading
-from collections import deque
 
 import torch
 
@@ -25,11 +24,16 @@ STOP, GO = 0, 1
 class Coordinator:
     def __init__(self, name, max_queued=64, max_in_flight=256):
         self._queue = queue.Queue(maxsize=max_queued)
-        self._max_in_flight = max_in_flight
-        self._in_flight = deque()
+        # Sends started and not yet known to be received, oldest first. gloo marks a send done only
+        # when waited on, so a second thread waits on them in order: the sending thread never blocks on
+        # a receiver, and a tensor is released as soon as its peer has it.
+        self._in_flight = queue.Queue()
+        self._slots = threading.BoundedSemaphore(max_in_flight)
         self._error = None
-        self._thread = threading.Thread(target=self._run, name=f"megafbd-coordinator-{name}", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=target, name=f"megafbd-{role}-{name}", daemon=True)
+                         for role, target in (("coordinator", self._send_loop), ("completion", self._wait_loop))]
+        for thread in self._threads:
+            thread.start()
 
     def send(self, group, tensor, peer, tag):
         """Hand ``tensor`` over for sending to ``peer`` of ``group``; returns at once unless the queue is full.
@@ -47,34 +51,43 @@ class Coordinator:
     def close(self):
         self.flush()
         self._queue.put(None)
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def _raise_if_failed(self):
         if self._error is not None:
             raise RuntimeError(f"megafbd coordinator thread failed: {self._error}") from self._error
 
-    def _run(self):
+    def _send_loop(self):
         while True:
             item = self._queue.get()
-            if item is None:
-                return
+            if item is None or isinstance(item, threading.Event):
+                self._in_flight.put(item)  # in order: the completion thread reaches it after the sends before it
+                if item is None:
+                    return
+                continue
             try:
-                if isinstance(item, threading.Event):
-                    while self._in_flight:
-                        self._in_flight.popleft()[0].wait()
-                    item.set()
-                    continue
-                self._start(*item)
+                group, tensor, peer, tag = item
+                host = tensor.detach().to("cpu").contiguous()
+                self._slots.acquire()
+                self._in_flight.put((group.send([host], peer, tag), host))
             except Exception as error:  # noqa: BLE001  handed to the compute thread at its next call
                 self._error = error
-                if isinstance(item, threading.Event):
-                    item.set()
 
-    def _start(self, group, tensor, peer, tag):
-        host = tensor.detach().to("cpu").contiguous()
-        self._in_flight.append((group.send([host], peer, tag), host))
-        while self._in_flight and (len(self._in_flight) > self._max_in_flight or self._in_flight[0][0].is_completed()):
-            self._in_flight.popleft()[0].wait()
+    def _wait_loop(self):
+        while True:
+            item = self._in_flight.get()
+            if item is None:
+                return
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                item[0].wait()
+            except Exception as error:  # noqa: BLE001
+                self._error = error
+            finally:
+                self._slots.release()
 
 
 def receive(group, shape, dtype, peer, tag, device):
