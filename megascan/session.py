@@ -44,7 +44,9 @@ class TraceSession:
         self.config = get_model_config(model_chunks[0])
         self.schedule = ScheduleTracer(self.recorder, model_chunks)
         self.timers = ScheduleTimers(self.recorder)
-        self.switchable = [CommTracer(self.recorder), OptimizerTracer(self.recorder, optimizer)]
+        self.switchable = [CommTracer(self.recorder)]
+        if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
+            self.switchable.append(OptimizerTracer(self.recorder, optimizer))
         if args.trace_granularity == "full":
             self.switchable.append(LayerTracer(self.recorder, model_chunks))
         self.iteration_start = None
@@ -61,6 +63,8 @@ class TraceSession:
         metadata = {
             "type": "metadata", "format": "megascan", "version": 1, "run_id": _shared_run_id(),
             "rank": dist.get_rank(), "world_size": dist.get_world_size(), "coords": coords,
+            # "training", or which kind of instance of a disaggregated run (MegaFBD: "backward", "forward")
+            "instance_kind": getattr(args, "instance_kind", "training"),
             "layout": {"dp": args.data_parallel_size, "pp": args.pipeline_model_parallel_size,
                        "tp": args.tensor_model_parallel_size, "vp": len(model_chunks),
                        "sequence_parallel": args.sequence_parallel,

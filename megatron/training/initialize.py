@@ -12,12 +12,15 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 from megatron.training.cpu_compat import install_cpu_compat
 
 
-def _init_process_group(args):
+def _init_process_group(args, plugin_start=None):
+    # A plugin may start the group over part of the launched processes; it goes first because it may
+    # change this process's settings (MegaFBD's forward instances: device, tensor-parallel size).
+    started_by_plugin = plugin_start is not None and plugin_start(args)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         install_cpu_compat()
-    if not torch.distributed.is_initialized():
+    if not started_by_plugin and not torch.distributed.is_initialized():
         # A plain `python pretrain_gpt.py` is a one-process job, as under torchrun.
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
@@ -40,8 +43,9 @@ def set_random_seed(seed, cuda_graphs=False):
     tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
 
 
-def initialize_megatron(args):
-    _init_process_group(args)
+def initialize_megatron(args, plugin_start=None):
+    """``plugin_start(args) -> bool``: a plugin's start of torch.distributed (see plugins.py)."""
+    _init_process_group(args, plugin_start)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

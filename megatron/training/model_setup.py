@@ -24,8 +24,10 @@ def _build_chunks(args, model_provider):
     return chunks
 
 
-def build_model(args, model_provider):
-    """Model chunks of this rank, on the training device, wrapped in megatron-core DDP."""
+def build_model(args, model_provider, with_gradients=True):
+    """Model chunks of this rank, on the training device, wrapped in megatron-core DDP; without
+    ``with_gradients`` the bare chunks (bf16/fp16 still cast at their boundary), which hold no
+    gradient buffers (MegaFBD's forward instances)."""
     chunks = _build_chunks(args, model_provider)
     config = get_model_config(chunks[0])
     if args.use_cpu_initialization:
@@ -36,6 +38,8 @@ def build_model(args, model_provider):
     if args.fp16 or args.bf16:
         # Casts the weights and the inputs/outputs at the chunk's boundary, as in Megatron-LM.
         chunks = [Float16Module(config, chunk) for chunk in chunks]
+    if not with_gradients:
+        return chunks
     return [
         DistributedDataParallel(config, ddp_config(args), chunk, disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)

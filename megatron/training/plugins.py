@@ -3,8 +3,16 @@
 A plugin is an object with any subset of these methods; the loop calls only what exists:
 
     add_arguments(parser)                 register flags (always called, so --help lists them)
-    validate_args(args)                   check them; raise ArgumentError with one clear line
     is_enabled(args) -> bool              a disabled plugin gets no further call: zero cost
+    training_world_size(args, launched) -> int       how many of the launched processes form the
+                                          training world (the others serve it, e.g. MegaFBD's forward
+                                          instances); called before the flags are validated against it
+    validate_args(args)                   check them; raise ArgumentError with one clear line
+    start_process_group(args) -> bool     start torch.distributed for this process (over a subset of the
+                                          launched processes) instead of the loop's plain start; may
+                                          change per-process settings (device, sizes); True when it did
+    run_process(args, job_parts) -> bool  run this process's whole job instead of the training loop
+                                          (MegaFBD's forward instances); True when it did
     after_setup(args, model, optimizer, scheduler)   model and optimizer are built
     forward_backward_func(args) -> callable | None   supply the schedule of an iteration
     wrap_schedule(args, schedule) -> callable        wrap whichever schedule runs (tracing)
@@ -61,9 +69,24 @@ class PluginRegistry:
             if hasattr(plugin, "add_arguments"):
                 plugin.add_arguments(parser)
 
-    def validate_args(self, args):
+    def select_enabled(self, args):
         self.enabled = [p for p in self.plugins if not hasattr(p, "is_enabled") or p.is_enabled(args)]
+
+    def validate_args(self, args):
+        self.select_enabled(args)
         self.call("validate_args", args)
+
+    def training_world_size(self, args, launched):
+        """The processes that train, of the ``launched`` ones (all of them unless a plugin keeps some)."""
+        size = launched
+        for plugin in self.enabled:
+            if hasattr(plugin, "training_world_size"):
+                size = plugin.training_world_size(args, size)
+        return size
+
+    def first_that_handles(self, hook, *args):
+        """Call ``hook`` on each enabled plugin until one returns True (it did the work); whether one did."""
+        return any(getattr(plugin, hook)(*args) for plugin in self.enabled if hasattr(plugin, hook))
 
     def call(self, hook, *args, **kwargs):
         for plugin in self.enabled:

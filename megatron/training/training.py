@@ -6,6 +6,7 @@ hooks of ``plugins.PluginRegistry``; this file knows no plugin.
 """
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -148,13 +149,24 @@ class Trainer:
             self.tensorboard.close()
 
 
-def _build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samples):
+def build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samples):
     """Per model chunk: each chunk that reads data consumes its own stream of microbatches."""
     datasets = dataset_provider(args, tokenizer)
     per_chunk = [build_data_iterators(args, datasets, consumed_samples) for _ in range(num_chunks)]
     train, valid, test = ([chunk[i] for chunk in per_chunk] for i in range(3))
     unwrap = (lambda its: its[0]) if num_chunks == 1 else (lambda its: its)
     return tuple(None if its[0] is None else unwrap(its) for its in (train, valid, test))
+
+
+@dataclass
+class JobParts:
+    """What a plugin that runs a process's whole job (``run_process``) builds its work from."""
+
+    tokenizer: object
+    model_provider: object
+    dataset_provider: object
+    forward_step_func: object
+    registry: PluginRegistry  # the other plugins' hooks (tracing) for the process's own loop
 
 
 @dataclass
@@ -170,15 +182,23 @@ class Job:
 
 
 def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None):
-    """Parse and check flags, start the process groups, build model, optimizer and data, load --load."""
+    """Parse and check flags, start the process groups, build model, optimizer and data, load --load.
+
+    None when a plugin ran this process's whole job instead (MegaFBD's forward instances)."""
     registry = PluginRegistry.discover()
     args = parse_args(argv, prog, registry.add_arguments, extra_args_provider)
-    validate_args(args)
+    registry.select_enabled(args)
+    validate_args(args, registry.training_world_size(args, int(os.environ.get("WORLD_SIZE", "1"))))
     registry.validate_args(args)
     use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
     start = time.time()
-    initialize_megatron(args)
+    initialize_megatron(args, functools.partial(registry.first_that_handles, "start_process_group"))
+    parts = JobParts(tokenizer, functools.partial(model_provider, args), dataset_provider,
+                     functools.partial(forward_step_func, args), registry)
+    if registry.first_that_handles("run_process", args, parts):
+        shutdown()
+        return None
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(model_provider, args))
     state = TrainingState()
     state.iteration, consumed_samples = load_checkpoint(args, model, optimizer, scheduler)
@@ -192,7 +212,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
                  f"starting at iteration {state.iteration}; attention: {attention_summary(args)}; "
                  f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})")
     registry.call("after_setup", args, model, optimizer, scheduler)
-    iterators = _build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
+    iterators = build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
     trainer = Trainer(args, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
     return Job(args, trainer, state, *iterators)
 
@@ -204,6 +224,8 @@ def pretrain(argv, **entry_point):
     # No try/finally: tearing the process groups down while a peer still waits in a collective
     # hangs; on an error the process exits and the launcher ends the others.
     job = setup_job(argv, **entry_point)
+    if job is None:
+        return
     args, trainer, state = job.args, job.trainer, job.state
     trainer.train(state, job.train_iterator, job.valid_iterator)
     finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval

@@ -1,0 +1,84 @@
+"""MegaFBD's flags and every check of how they fit the launch and the other flags."""
+
+from megatron.training.errors import ArgumentError
+
+from megafbd.layout import InstanceLayout
+
+
+def add_arguments(parser):
+    group = parser.add_argument_group("MegaFBD (forward/backward disaggregation)")
+    group.add_argument("--forward-backward-disaggregating", action="store_true",
+                       help="run forward and backward as separate instances: each (stage, data-parallel replica) "
+                            "gets forward instances that stream microbatches without keeping activations and "
+                            "backward instances that recompute, run the backward and own the optimizer")
+    group.add_argument("--ignore-forward-tensor-parallel", action="store_true",
+                       help="one forward process per stage and replica (TP1) serves the TP backward processes")
+    group.add_argument("--fbd-forward-device", choices=["cuda", "cpu"], default=None,
+                       help="device of the forward instances (default: --device); cpu talks to GPU "
+                            "backward instances over gloo")
+    group.add_argument("--fbd-weight-staleness", type=int, choices=[0, 1], default=0,
+                       help="0: the forward of iteration i+1 waits for the weights of step i (the losses of "
+                            "a normal run); 1: it uses the weights one step older while they travel "
+                            "(not loss-equivalent)")
+    group.add_argument("--fbd-checksum-interval", type=int, default=10,
+                       help="compare the forward and backward copies of the weights by checksum every N "
+                            "iterations (and at the end)")
+
+
+def is_requested(args):
+    return (args.forward_backward_disaggregating or args.ignore_forward_tensor_parallel
+            or args.fbd_forward_device is not None or args.fbd_weight_staleness != 0)
+
+
+def forward_tensor_size(args):
+    return 1 if args.ignore_forward_tensor_parallel else args.tensor_model_parallel_size
+
+
+def backward_world_size(args, launched):
+    """How many of the ``launched`` processes are backward instances; one line if the count does not fit."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        return launched  # the layout check names the flag
+    forward_tp = forward_tensor_size(args)
+    per_replica = InstanceLayout.processes_per_replica(tp, pp, forward_tp)
+    layout = InstanceLayout.for_launch(tp, pp, forward_tp, launched)
+    if layout is None:
+        forward_note = " (--ignore-forward-tensor-parallel)" if args.ignore_forward_tensor_parallel else ""
+        raise ArgumentError(
+            f"--forward-backward-disaggregating at TP{tp} x PP{pp} needs {per_replica} processes per "
+            f"data-parallel replica ({tp * pp} backward + {forward_tp * pp} forward{forward_note}) but "
+            f"{launched} were launched; launch a multiple of {per_replica} (e.g. {2 * per_replica} for DP2)")
+    return layout.backward_size
+
+
+def _require(condition, message):
+    if not condition:
+        raise ArgumentError(message)
+
+
+def validate_args(args):
+    _require(args.forward_backward_disaggregating,
+             "--ignore-forward-tensor-parallel, --fbd-forward-device and --fbd-weight-staleness need "
+             "--forward-backward-disaggregating")
+    _require(args.virtual_pipeline_model_parallel_size is None,
+             "--forward-backward-disaggregating does not support a virtual pipeline; drop "
+             "--num-layers-per-virtual-pipeline-stage")
+    _require(not getattr(args, "use_dpp", False),
+             "--forward-backward-disaggregating cannot be combined with --use-dpp (each brings its own "
+             "pipeline schedule); use one of them")
+    _require(not args.overlap_param_gather,
+             "--forward-backward-disaggregating cannot be combined with --overlap-param-gather (the forward "
+             "instances need the updated weights right after the step); drop --overlap-param-gather")
+    _require(args.fbd_checksum_interval >= 1, "--fbd-checksum-interval must be >= 1")
+    if args.fbd_forward_device is None:
+        args.fbd_forward_device = args.device
+    _require(args.fbd_forward_device == "cpu" or args.device == "cuda",
+             "--fbd-forward-device cuda needs --device cuda; use --fbd-forward-device cpu")
+    _require(not (args.fbd_forward_device == "cpu" and args.fp16),
+             "--fbd-forward-device cpu cannot run --fp16 (no CPU kernels); use --bf16")
+    if args.cuda_graph_impl != "none":
+        # The layers' graphs are captured around megatron-core's schedules, not the backward instances'.
+        _require(args.cuda_graph_by_default,
+                 f"--forward-backward-disaggregating cannot replay CUDA graphs (--cuda-graph-impl "
+                 f"{args.cuda_graph_impl}); drop it")
+        args.cuda_graph_impl, args.cuda_graph_note = "none", "off with --forward-backward-disaggregating"

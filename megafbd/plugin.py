@@ -1,0 +1,112 @@
+"""MegaFBD's plugin object: the training loop's hooks (see megatron/training/plugins.py).
+
+Before the process groups start, the launch is split into backward and forward instances
+(``layout.py``). A backward process then runs the ordinary training loop with the backward
+schedule and sends its weights after every step; a forward process runs ``ForwardInstance``
+instead of the loop.
+"""
+
+import os
+import resource
+import signal
+
+import torch
+
+from megafbd.arguments import add_arguments, backward_world_size, is_requested, validate_args
+from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, Coordinator, receive
+from megafbd.layout import InstanceLayout
+from megafbd.process_groups import is_backward, start_instance
+
+
+class MegaFBDPlugin:
+    def __init__(self):
+        self.instance = None
+        self.coordinator = None
+        self.weights = None
+        self.started = False
+
+    def add_arguments(self, parser):
+        add_arguments(parser)
+
+    def is_enabled(self, args):
+        return is_requested(args)
+
+    def training_world_size(self, args, launched):
+        return backward_world_size(args, launched) if args.forward_backward_disaggregating else launched
+
+    def validate_args(self, args):
+        validate_args(args)
+
+    def start_process_group(self, args):
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        layout = InstanceLayout.for_launch(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                           1 if args.ignore_forward_tensor_parallel else args.tensor_model_parallel_size,
+                                           launched)
+        args.fbd_backward_sequence_parallel = args.sequence_parallel
+        self.instance = start_instance(args, layout)
+        if self.instance.global_rank == 0:
+            print(f"megafbd: {layout.backward_size} backward instances (TP{layout.tensor} x PP{layout.pipeline} x "
+                  f"DP{layout.data}, {args.device}) + {layout.forward_size} forward instances (TP"
+                  f"{layout.forward_tensor} x PP{layout.pipeline} x DP{layout.data}, {args.fbd_forward_device}); "
+                  f"weight staleness {args.fbd_weight_staleness}, checksum every {args.fbd_checksum_interval} "
+                  f"iterations", flush=True)
+        return True
+
+    def run_process(self, args, parts):
+        if is_backward(self.instance):
+            return False
+        from megafbd.forward_instance import ForwardInstance
+
+        ForwardInstance(args, self.instance, parts).run()
+        return True
+
+    # The loop's hooks below act on backward instances only: a forward instance calls the plugins'
+    # hooks from its own loop for the other plugins' sake (tracing).
+
+    def after_setup(self, args, model, optimizer, scheduler):
+        if not is_backward(self.instance):
+            return
+        from megafbd.weight_sync import WeightSync
+
+        self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}")
+        self.weights = WeightSync.for_backward(self.instance, model[0], args.fbd_checksum_interval, self.coordinator)
+
+    def forward_backward_func(self, args):
+        if not is_backward(self.instance):
+            return None
+        from megafbd.backward_schedule import BackwardSchedule
+
+        return BackwardSchedule(args, self.instance, self.coordinator)
+
+    def _command(self, command, iteration):
+        """Tell the forward instance what comes next; its answer says whether it was sent SIGTERM."""
+        if not self.started:  # the weights training starts from (after --load), as step iteration-1
+            self.started = True
+            self.weights.send(iteration - 1 if command == GO else iteration)
+        if self.instance.link_rank != 0:
+            return
+        self.coordinator.send(self.instance.link_group, torch.tensor([command, iteration]),
+                              self.instance.link.forward_link_rank, TAG_CONTROL)
+        signalled = receive(self.instance.link_group, (1,), torch.int64, self.instance.link.forward_link_rank,
+                            TAG_ACK, "cpu")
+        if signalled.item():  # the backward instances' SIGTERM agreement takes it from here
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def on_iteration_begin(self, args, iteration):
+        if is_backward(self.instance):
+            self._command(GO, iteration)
+
+    def on_iteration_end(self, args, iteration, metrics):
+        if is_backward(self.instance):
+            self.weights.send(iteration)
+
+    def on_train_end(self, args, iteration):
+        if not is_backward(self.instance):
+            return
+        self._command(STOP, iteration)
+        self.weights.send_checksum()
+        self.coordinator.close()
+        peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
+                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        print(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: peak "
+              f"{'GPU memory' if args.device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB", flush=True)

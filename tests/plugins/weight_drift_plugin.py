@@ -1,0 +1,28 @@
+"""A plugin that changes the weights of the backward instances behind the optimizer's back:
+--drift-weights-at-iteration N adds 1e-3 to one weight of every MegaFBD backward instance after
+iteration N (after its weights were sent), as a bug outside the step would; the forward copies then
+differ from the backward ones, which MegaFBD's next checksum must catch."""
+
+import torch
+
+
+class WeightDriftPlugin:
+    def __init__(self):
+        self.model = None
+
+    def add_arguments(self, parser):
+        parser.add_argument("--drift-weights-at-iteration", type=int, default=None)
+
+    def is_enabled(self, args):
+        return args.drift_weights_at_iteration is not None
+
+    def after_setup(self, args, model, optimizer, scheduler):
+        self.model = model
+
+    @torch.no_grad()
+    def on_iteration_end(self, args, iteration, metrics):
+        if iteration == args.drift_weights_at_iteration and getattr(args, "instance_kind", None) == "backward":
+            next(self.model[0].parameters()).view(-1)[0] += 1e-3
+
+
+PLUGIN = WeightDriftPlugin()
