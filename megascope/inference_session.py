@@ -16,7 +16,6 @@ import numpy as np
 from megascope.capture import Capture
 from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
-from megascope.hooks import full_hook_name
 from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.welcome import welcome_info
@@ -85,11 +84,7 @@ class ScopeObserver(NoObserver):
             if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
                     and str(record.reduction) == "none":
                 self.pca_vectors.append((record.prompt_index, record.token_start, record.values.numpy()))
-            self.client.send_data(encode_data_frame(
-                {"id": self.id, "step": step.index, "hook": full_hook_name(record.hook, record.layer),
-                 "layer": record.layer, "prompt_index": record.prompt_index,
-                 "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
-                 "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+            self.client.send_data(encode_data_frame(record.frame_header(self.id, step.index), record.values))
         self.last_position.update({row: step.end for row in step.finished})
         for prompt_index, layers in sorted(lens.items()):
             self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,

@@ -14,7 +14,6 @@ import torch
 from megascope.capture import Capture, CaptureSpec
 from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
-from megascope.hooks import full_hook_name
 from megascope.layer_statistics import LayerStatistics
 from megascope.perturbations import Perturbation, PerturbationSet, parse_perturbations
 from megascope.training_control import TrainingControl
@@ -60,10 +59,12 @@ class TrainingSession:
             client.send({"type": "training_state", "state": state, "iteration": self.iteration})
         elif kind == "set_capture":
             spec = self._checked_spec(message["capture"])
-            self.control.set_pending("capture", None if spec is None else spec.to_json())
-            client.send({"type": "capture_set", "capture": None if spec is None else spec.to_json()})
+            normalised = None if spec is None else spec.to_json()
+            self.control.set_pending("capture", normalised)
+            client.send({"type": "capture_set", "capture": normalised})
         elif kind == "perturb":
-            self.control.set_pending("perturbations", [p.to_json() for p in parse_perturbations(message["perturbations"])])
+            active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
+            self.control.set_pending("perturbations", active)
 
     def on_disconnect(self, client):
         pass  # the run goes on; what the client set stays until another client changes it
@@ -142,10 +143,8 @@ class TrainingSession:
 
     def _send_records(self, records):
         for record in records:
-            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": full_hook_name(record.hook, record.layer),
-                                  "layer": record.layer, "prompt_index": self.spec.sample,
-                                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
-                                  "dims": list(record.dims), "reduction": record.reduction}, record.values)
+            self._broadcast_data(record.frame_header(None, self.iteration + 1, prompt_index=self.spec.sample),
+                                 record.values)
 
     def _broadcast_data(self, header, values):
         if self.server is None:
