@@ -28,6 +28,7 @@ from megascope.hooks import (
     HOOK_POINTS,
     HookInstaller,
     attention_pattern,
+    full_hook_name,
     softmax_scale,
     split_fused_qkv,
     unwrap_model,
@@ -47,6 +48,14 @@ class Record:
     values: torch.Tensor       # float32, CPU, [tokens, ...reduced dims]
     dims: list
     reduction: str
+
+    def frame_header(self, generation_id, step, prompt_index=None):
+        """This record's data frame header (docs/megascope_protocol.md); ``prompt_index``: training's sample."""
+        return {"id": generation_id, "step": step, "hook": full_hook_name(self.hook, self.layer),
+                "layer": self.layer,
+                "prompt_index": self.prompt_index if prompt_index is None else prompt_index,
+                "tokens": [self.token_start, self.token_start + int(self.values.shape[0])],
+                "dims": list(self.dims), "reduction": str(self.reduction)}
 
 
 def _record_order(record):

@@ -3,7 +3,7 @@ docs/megascope_protocol.md); every mistake is a ProtocolError naming the field."
 
 from dataclasses import dataclass, field
 
-from megascope.errors import ProtocolError
+from megascope.errors import ProtocolError, within
 from megascope.hooks import HOOK_NAMES, HOOK_POINTS, hook_point
 from megascope.reductions import Reduction
 
@@ -102,6 +102,16 @@ class CaptureSpec:
 
     def wants_token(self, position):
         return self.tokens is None or self.tokens[0] <= position < self.tokens[1]
+
+
+def parse_capture(obj, prefix="capture"):
+    """The CaptureSpec of a message's capture field (None for null); errors name ``<prefix>.<field>``."""
+    if obj is None:
+        return None
+    try:
+        return CaptureSpec.from_json(obj)
+    except ProtocolError as error:
+        raise within(error, prefix) from None
 
 
 def _pca(value, hooks):

@@ -13,3 +13,9 @@ class ProtocolError(Exception):
         self.code = code
         self.message = message
         self.field = field
+
+
+def within(error, prefix):
+    """``error`` with its field named inside ``prefix``: a capture spec's "topk" is the message's
+    "capture.topk", the third perturbation's "scale" is "perturbations.2.scale"."""
+    return ProtocolError(error.code, error.message, f"{prefix}.{error.field}" if error.field else prefix)

@@ -13,12 +13,12 @@ import threading
 
 import numpy as np
 
-from megascope.capture import Capture, CaptureSpec
+from megascope.capture import Capture
+from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
-from megascope.hooks import HOOK_NAMES, MODEL_HOOKS
 from megascope.pca import pca_2d
-from megascope.perturbations import NOISE_TYPES, Perturbation, PerturbationSet
-from megascope.reductions import REDUCTION_FORMS
+from megascope.perturbations import PerturbationSet, parse_perturbations
+from megascope.welcome import welcome_info
 from megascope.wire import Limits, encode_data_frame, error_message
 from megatron.inference.engine import NoObserver
 from megatron.inference.prompts import sampling_fields
@@ -26,34 +26,6 @@ from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megascope.inference")
 DEFAULT_TOPK = 5
-
-
-def capture_spec(obj, field="capture"):
-    """The library's CaptureSpec of a JSON object (None for None); errors name ``capture.<field>``."""
-    if obj is None:
-        return None
-    try:
-        spec = CaptureSpec.from_json(obj)
-    except ProtocolError as error:
-        inner = error.field if error.field and error.field.startswith(field) else \
-            f"{field}.{error.field}" if error.field else field
-        raise ProtocolError(error.code, error.message, inner) from None
-    return spec
-
-
-def perturbations(objs):
-    checked = []
-    for index, obj in enumerate(objs):
-        try:
-            checked.append(Perturbation.from_json(obj))
-        except ProtocolError as error:
-            raise ProtocolError(error.code, error.message,
-                                f"perturbations.{index}" + (f".{error.field}" if error.field else "")) from None
-    return checked
-
-
-def full_hook_name(hook, layer):
-    return hook if layer is None else f"blocks.{layer}.{hook}"
 
 
 class ScopeObserver(NoObserver):
@@ -66,7 +38,7 @@ class ScopeObserver(NoObserver):
         self.args = args
         self.client = client
         self.session = session
-        self.spec = capture_spec(scope["capture"])
+        self.spec = parse_capture(scope["capture"])
         self.capture = None
         self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
@@ -84,7 +56,7 @@ class ScopeObserver(NoObserver):
         if not control:
             return False
         if "capture" in control:
-            self.spec = capture_spec(control["capture"])
+            self.spec = parse_capture(control["capture"])
         if "perturbations" in control:
             apply_perturbations(self.model, self.args, control["perturbations"])
         return bool(control.get("cancel"))
@@ -112,11 +84,7 @@ class ScopeObserver(NoObserver):
             if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
                     and str(record.reduction) == "none":
                 self.pca_vectors.append((record.prompt_index, record.token_start, record.values.numpy()))
-            self.client.send_data(encode_data_frame(
-                {"id": self.id, "step": step.index, "hook": full_hook_name(record.hook, record.layer),
-                 "layer": record.layer, "prompt_index": record.prompt_index,
-                 "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
-                 "dims": list(record.dims), "reduction": str(record.reduction)}, record.values))
+            self.client.send_data(encode_data_frame(record.frame_header(self.id, step.index), record.values))
         self.last_position.update({row: step.end for row in step.finished})
         for prompt_index, layers in sorted(lens.items()):
             self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
@@ -175,7 +143,7 @@ def apply_perturbations(model, args, objs):
     active = _active_perturbations.get(id(model))
     if active is None:
         active = _active_perturbations[id(model)] = PerturbationSet(model, args)
-    active.replace(perturbations(objs))
+    active.replace(parse_perturbations(objs))
 
 
 class InferenceSession:
@@ -193,19 +161,10 @@ class InferenceSession:
         self._running = {}            # client -> its running generation's Job
         self._control = {}            # client -> pending control for its running generation
         self._captures = {}           # client -> its set_capture spec (JSON)
-        self._perturbations = []      # the active set (JSON), for every client
         self._numbers = 0
 
     def welcome_info(self):
-        args = self.args
-        return {"model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                          "num_attention_heads": args.num_attention_heads,
-                          "num_query_groups": args.num_query_groups or args.num_attention_heads,
-                          "vocab_size": self.encoder.tokenizer.vocab_size,
-                          "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size,
-                          "dp": args.data_parallel_size},
-                "hooks": [full_hook_name(name, None if name in MODEL_HOOKS else "{l}") for name in HOOK_NAMES],
-                "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
+        return welcome_info(self.args, self.encoder.tokenizer.vocab_size)
 
     def on_message(self, client, message):
         getattr(self, "_" + message["type"])(client, message)
@@ -230,7 +189,7 @@ class InferenceSession:
         request = message
         prompts = self.encoder.encode(request)
         capture = self._captures.get(client) if request["capture"] == "connection" else request["capture"]
-        spec = capture_spec(capture)
+        spec = parse_capture(capture)
         seed = pick_seed(request["random_seed"])
         with self._lock:
             self._numbers += 1
@@ -281,20 +240,21 @@ class InferenceSession:
             self._cancel_job(client)
 
     def _set_capture(self, client, message):
-        spec = capture_spec(message["capture"])
+        spec = parse_capture(message["capture"])
+        normalised = None if spec is None else spec.to_json()
         with self._lock:
-            self._captures[client] = message["capture"]
+            self._captures[client] = normalised
             if client in self._running:
-                self._control.setdefault(client, {})["capture"] = message["capture"]
-        client.send({"type": "capture_set", "capture": message["capture"] if spec is not None else None})
+                self._control.setdefault(client, {})["capture"] = normalised
+        client.send({"type": "capture_set", "capture": normalised})
 
     def _perturb(self, client, message):
-        perturbations(message["perturbations"])  # checked here, so a bad one is refused before any rank sees it
+        # Checked here, so a bad one is refused before any rank sees it; every rank gets the normalised form.
+        active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
         with self._lock:
-            self._perturbations = message["perturbations"]
             running = list(self._running)
             for other in running:
-                self._control.setdefault(other, {})["perturbations"] = message["perturbations"]
+                self._control.setdefault(other, {})["perturbations"] = active
         if not running:
-            self.service.control({"perturbations": message["perturbations"]})
-        self.server.broadcast({"type": "perturbations", "active": message["perturbations"]})
+            self.service.control({"perturbations": active})
+        self.server.broadcast({"type": "perturbations", "active": active})

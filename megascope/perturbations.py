@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 
 from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
 
-from megascope.errors import ProtocolError
+from megascope.errors import ProtocolError, within
 from megascope.hooks import global_layer_index, unwrap_model
 
 STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
@@ -94,6 +94,17 @@ class Perturbation:
 
     def wants_layer(self, layer):
         return self.layers is None or layer in self.layers
+
+
+def parse_perturbations(objs, prefix="perturbations"):
+    """The Perturbations of a message's list; errors name ``<prefix>.<index>.<field>``."""
+    checked = []
+    for index, obj in enumerate(objs):
+        try:
+            checked.append(Perturbation.from_json(obj))
+        except ProtocolError as error:
+            raise within(error, f"{prefix}.{index}") from None
+    return checked
 
 
 def _generator(seed, name):

@@ -12,23 +12,18 @@ per iteration and nothing else.
 import torch
 
 from megascope.capture import Capture, CaptureSpec
+from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
-from megascope.hooks import full_hook_name, full_hook_names
 from megascope.layer_statistics import LayerStatistics
-from megascope.perturbations import NOISE_TYPES, Perturbation, PerturbationSet
-from megascope.reductions import REDUCTION_FORMS
+from megascope.perturbations import Perturbation, PerturbationSet, parse_perturbations
 from megascope.training_control import TrainingControl
+from megascope.welcome import welcome_info
 from megascope.wire import encode_data_frame
 from megascope.ws_server import WebSocketServer
-from megatron.training.errors import UserError
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import print_rank_0
 
 HEARTBEAT_SECONDS = 1.0
-
-
-def _prefixed(error, prefix):
-    return ProtocolError(error.code, error.message, prefix + (f".{error.field}" if error.field else ""))
 
 
 class TrainingSession:
@@ -48,23 +43,14 @@ class TrainingSession:
         if self.is_server:
             # The tokenizer's vocabulary (the output layer's padding rows are no tokens), for the welcome.
             self.vocab_size = build_tokenizer(args).vocab_size
-            try:
-                self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port).start()
-            except UserError as error:  # the server names the inference flags; this run has the training ones
-                raise UserError(str(error).replace("--ws-host/--ws-port", "--training-ws-host/--training-ws-port")) \
-                    from None
+            self.server = WebSocketServer(self, args.training_ws_host, args.training_ws_port,
+                                          flags="--training-ws-host/--training-ws-port").start()
             print_rank_0(f"MegaScope training server on ws://{args.training_ws_host}:{self.server.port}"
                          + (" (waiting for a client to resume or step)" if args.training_ws_wait else ""))
 
     # -- the WebSocket side (rank 0, server thread) --------------------------------------------
     def welcome_info(self):
-        args = self.args
-        return {"model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
-                          "num_attention_heads": args.num_attention_heads,
-                          "num_query_groups": args.num_query_groups or args.num_attention_heads,
-                          "vocab_size": self.vocab_size, "tp": args.tensor_model_parallel_size,
-                          "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
-                "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
+        return welcome_info(self.args, self.vocab_size)
 
     def on_message(self, client, message):
         kind = message["type"]
@@ -73,27 +59,20 @@ class TrainingSession:
             client.send({"type": "training_state", "state": state, "iteration": self.iteration})
         elif kind == "set_capture":
             spec = self._checked_spec(message["capture"])
-            self.control.set_pending("capture", None if spec is None else spec.to_json())
-            client.send({"type": "capture_set", "capture": None if spec is None else spec.to_json()})
+            normalised = None if spec is None else spec.to_json()
+            self.control.set_pending("capture", normalised)
+            client.send({"type": "capture_set", "capture": normalised})
         elif kind == "perturb":
-            checked = []
-            for index, obj in enumerate(message["perturbations"]):
-                try:
-                    checked.append(Perturbation.from_json(obj).to_json())
-                except ProtocolError as error:
-                    raise _prefixed(error, f"perturbations.{index}") from None
-            self.control.set_pending("perturbations", checked)
+            active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
+            self.control.set_pending("perturbations", active)
 
     def on_disconnect(self, client):
         pass  # the run goes on; what the client set stays until another client changes it
 
     def _checked_spec(self, obj):
-        if obj is None:
+        spec = parse_capture(obj)
+        if spec is None:
             return None
-        try:
-            spec = CaptureSpec.from_json(obj)
-        except ProtocolError as error:
-            raise _prefixed(error, "capture") from None
         samples = self.args.global_batch_size // self.args.data_parallel_size
         if spec.sample >= samples:
             raise ProtocolError("bad_field", f"sample {spec.sample} is beyond the {samples} samples of an "
@@ -164,10 +143,8 @@ class TrainingSession:
 
     def _send_records(self, records):
         for record in records:
-            self._broadcast_data({"id": None, "step": self.iteration + 1, "hook": full_hook_name(record.hook, record.layer),
-                                  "layer": record.layer, "prompt_index": self.spec.sample,
-                                  "tokens": [record.token_start, record.token_start + int(record.values.shape[0])],
-                                  "dims": list(record.dims), "reduction": record.reduction}, record.values)
+            self._broadcast_data(record.frame_header(None, self.iteration + 1, prompt_index=self.spec.sample),
+                                 record.values)
 
     def _broadcast_data(self, header, values):
         if self.server is None:

@@ -126,13 +126,16 @@ class Client:
 
 
 class WebSocketServer:
-    """``WebSocketServer(session, host, port, token=None, limits=Limits(), origins=()).start()``.
+    """``WebSocketServer(session, host, port, token=None, limits=Limits(), origins=(), flags=...).start()``.
 
     Port 0 picks a free port (``.port`` after start). A host other than 127.0.0.1/localhost/::1 needs a
-    token; without one a token is generated and printed."""
+    token; without one a token is generated and printed. ``flags``: the command-line flags that chose host
+    and port, named when they cannot be bound."""
 
-    def __init__(self, session, host="127.0.0.1", port=5001, token=None, limits=Limits(), origins=()):
+    def __init__(self, session, host="127.0.0.1", port=5001, token=None, limits=Limits(), origins=(),
+                 flags="--ws-host/--ws-port"):
         self.session = session
+        self.flags = flags
         self.host = host
         self.limits = limits
         self.port = port
@@ -155,7 +158,7 @@ class WebSocketServer:
         self._thread.start()
         self._ready.wait()
         if self._failure is not None:
-            raise UserError(f"--ws-host/--ws-port: cannot listen on {self.host}:{self.port} ({self._failure}); "
+            raise UserError(f"{self.flags}: cannot listen on {self.host}:{self.port} ({self._failure}); "
                             "pick a free port")
         log.info("MegaScope WebSocket server on ws://%s:%d (protocol %d)", self.host, self.port, PROTOCOL_VERSION)
         return self

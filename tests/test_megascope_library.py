@@ -5,9 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from megascope.capture_spec import CaptureSpec
+from megascope.capture_spec import CaptureSpec, parse_capture
 from megascope.errors import ProtocolError
 from megascope.pca import pca_2d
+from megascope.perturbations import parse_perturbations
 from megascope.reductions import Reduction
 
 
@@ -59,6 +60,19 @@ def test_a_full_capture_spec_parses():
     assert str(spec.reduction_for("attn.pattern")) == "mean_heads" and str(spec.reduction_for("resid_post")) == "norm"
     assert CaptureSpec.from_json(spec.to_json()) == spec
     assert spec.wants_layer(2) and not spec.wants_layer(3) and spec.wants_token(7) and not spec.wants_token(8)
+
+
+def test_a_messages_capture_and_perturbations_name_their_fields_inside_the_message():
+    assert parse_capture(None) is None
+    with pytest.raises(ProtocolError) as error:
+        parse_capture({"hooks": ["embed"], "pca": {"hook": "resid_post", "layer": 1}})
+    assert error.value.field == "capture.pca.hook"
+    good = {"kind": "system", "target": "resid", "noise": "constant", "scale": 1}
+    with pytest.raises(ProtocolError) as error:
+        parse_perturbations([good, {**good, "target": "ln2"}])
+    assert error.value.field == "perturbations.1.target"  # ln2 is a storage target only
+    assert [p.to_json() for p in parse_perturbations([good])] == [
+        {"id": None, **good, "scale": 1.0, "seed": 0, "layers": None, "enabled": True}]  # normalised
 
 
 def test_pca_equals_numpys_svd():

@@ -13,6 +13,7 @@ from websockets.asyncio.client import connect
 from megascope.errors import ProtocolError
 from megascope.wire import Limits, decode_data_frame, encode_data_frame
 from megascope.ws_server import WebSocketServer
+from megatron.training.errors import UserError
 
 
 class FloodSession:
@@ -140,6 +141,14 @@ def test_token_for_a_non_local_host():
 def test_generated_token_is_printed(capsys):
     server = serve(FloodSession(), host="127.0.0.2")
     assert server.token and server.token in capsys.readouterr().out
+    server.stop()
+
+
+def test_a_port_in_use_is_one_line_naming_the_flags_that_chose_it():
+    server = serve(FloodSession())
+    with pytest.raises(UserError, match=r"^--training-ws-host/--training-ws-port: cannot listen on 127\.0\.0\.1:"
+                       + str(server.port)):
+        WebSocketServer(FloodSession(), port=server.port, flags="--training-ws-host/--training-ws-port").start()
     server.stop()
 
 

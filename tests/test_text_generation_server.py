@@ -195,7 +195,8 @@ def perturbed(server, token=None):
             for perturbations in (None, [NOISE], []):
                 if perturbations is not None:
                     await send(ws, {"type": "perturb", "perturbations": perturbations})
-                    assert (await receive(ws)) == {"type": "perturbations", "active": perturbations}
+                    normalised = [{**p, "layers": None, "enabled": True} for p in perturbations]  # defaults filled in
+                    assert (await receive(ws)) == {"type": "perturbations", "active": normalised}
                 tokens.append((await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"])
             await send(ws, {"type": "perturb", "perturbations": [{**NOISE, "noise": "loud"}]})
             return tokens, await receive(ws)
@@ -262,7 +263,9 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
             return first, replies
     first, replies = run(client())
     frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
-    assert {"type": "capture_set", "capture": {"hooks": ["resid_post"], "layers": [0, 1], "reduction": "norm"}} in replies
+    normalised = {"hooks": ["resid_post"], "layers": [0, 1], "tokens": None, "reduction": "norm", "reductions": {},
+                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0}  # every default filled in
+    assert {"type": "capture_set", "capture": normalised} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
 
 
