@@ -12,7 +12,11 @@ def shared_memory_transport(rank, peers, *, store=None, name="megadpp", slots=DE
     ``store``: a torch.distributed Store for the segment names (default: the default group's);
     ``name`` keeps several transports of one run apart; ``shm_limit_bytes`` caps what may be
     taken from /dev/shm (default: what is free there)."""
-    raise NotImplementedError("being built on branch dpp-transport")
+    from megadpp.transport.shared_memory import SharedMemoryTransport
+
+    return SharedMemoryTransport(rank, peers, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
+                                 workload=workload, shm_limit_bytes=shm_limit_bytes, observer=observer,
+                                 timeout=timeout)
 
 
 def cuda_ipc_transport(rank, peers, *, device=None, store=None, name="megadpp", slots=DEFAULT_SLOTS,
