@@ -28,6 +28,7 @@ times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC).
 """
 
 from megadpp.transport.base import Handle, Transport, TransferEvent
+from megadpp.transport.native import TransportSetupError  # loads csrc/'s extension; says if CUDA IPC is missing
 from megadpp.transport.factories import (
     create_transport,
     cuda_ipc_available,
@@ -37,6 +38,6 @@ from megadpp.transport.factories import (
 )
 
 __all__ = [
-    "Handle", "Transport", "TransferEvent", "create_transport", "cuda_ipc_available", "cuda_ipc_transport",
+    "Handle", "Transport", "TransferEvent", "TransportSetupError", "create_transport", "cuda_ipc_available", "cuda_ipc_transport",
     "distributed_transport", "shared_memory_transport",
 ]
