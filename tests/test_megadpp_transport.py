@@ -3,7 +3,10 @@
 import os
 import secrets
 
+import pytest
+
 from launch import assert_succeeded, torchrun
+from megadpp.transport import cuda_ipc_available
 from megadpp.transport._shm import segment_bytes
 
 WORKER = "tests/transport_worker.py"
@@ -19,6 +22,15 @@ def test_exchange_matches_gloo_for_every_dtype_shape_and_order():
     for rank in range(3):
         for kind in ("shared memory", "torch.distributed"):
             assert f"rank {rank}: {kind} exchange matches gloo" in result.stdout
+
+
+@pytest.mark.skipif(not cuda_ipc_available(), reason="needs a GPU and the CUDA IPC part of the extension")
+def test_cuda_ipc_exchange_between_two_processes_on_one_gpu():
+    """Two ranks on cuda:0 (or one GPU each where there are two): every dtype and shape, in order."""
+    result = torchrun(2, WORKER, ["cuda-ipc"], timeout=400)
+    assert_succeeded(result)
+    for rank in range(2):
+        assert f"rank {rank}: CUDA IPC exchange on cuda:" in result.stdout
 
 
 def run_segments(pids):

@@ -1,10 +1,9 @@
 // The shared-memory transport of one rank: a SendChannel to every peer, a RecvChannel from every
 // peer, one copy pool; and its Python binding (module megadpp.transport._shm).
-#include <torch/csrc/utils/pybind.h>
-
 #include <map>
 #include <memory>
 
+#include "request_binding.h"
 #include "shm_channels.h"
 
 namespace megadpp {
@@ -59,23 +58,13 @@ class ShmTransport {
 }  // namespace megadpp
 
 namespace py = pybind11;
-using megadpp::Request;
 
 PYBIND11_MODULE(_shm, m) {
   m.doc() = "MegaDPP shared-memory tensor transport (see megadpp/transport)";
   m.attr("SEGMENT_HEADER_BYTES") = megadpp::segment_bytes(0, 0);
   m.def("segment_bytes", &megadpp::segment_bytes, "bytes of /dev/shm one channel takes");
 
-  py::class_<Request, std::shared_ptr<Request>>(m, "Request")
-      .def("is_completed", &Request::is_completed)
-      .def("wait", &Request::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
-      .def_readonly("tensor", &Request::tensor)
-      .def_readonly("error", &Request::error)
-      .def_readonly("tag", &Request::tag)
-      .def_readonly("seq", &Request::seq)
-      .def_readonly("nbytes", &Request::nbytes)
-      .def_readonly("start_ns", &Request::start_ns)
-      .def_readonly("end_ns", &Request::end_ns);
+  megadpp::bind_request(m);
 
   using megadpp::ShmTransport;
   py::class_<ShmTransport>(m, "ShmTransport")
