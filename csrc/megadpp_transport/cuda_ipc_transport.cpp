@@ -366,7 +366,7 @@ class CudaIpcTransport {
 
  private:
   template <typename Map>
-  static typename Map::mapped_type::pointer channel(Map& channels, int peer) {
+  static typename Map::mapped_type::element_type* channel(Map& channels, int peer) {
     auto it = channels.find(peer);
     check(it != channels.end(), "megadpp transport: rank ", peer, " is not a peer of this transport");
     return it->second.get();

@@ -18,7 +18,7 @@ class ShmTransport {
     senders_[peer] = std::make_unique<SendChannel>(name, slots, slot_bytes, &pool_);
   }
   void open_recv_channel(int peer, const std::string& name) {
-    receivers_[peer] = std::make_unique<RecvChannel>(name, &pool_);
+    receivers_[peer] = std::make_shared<RecvChannel>(name, &pool_);
   }
   void await_receivers(double timeout_s) {
     for (auto& [peer, sender] : senders_) sender->await_receiver(timeout_s);
@@ -44,7 +44,7 @@ class ShmTransport {
 
  private:
   template <typename Map>
-  static typename Map::mapped_type::pointer channel(Map& channels, int peer) {
+  static typename Map::mapped_type::element_type* channel(Map& channels, int peer) {
     auto it = channels.find(peer);
     check(it != channels.end(), "megadpp transport: rank ", peer, " is not a peer of this transport");
     return it->second.get();
@@ -52,7 +52,7 @@ class ShmTransport {
 
   CopyPool pool_;  // declared first: destroyed after the channels that use it
   std::map<int, std::unique_ptr<SendChannel>> senders_;
-  std::map<int, std::unique_ptr<RecvChannel>> receivers_;
+  std::map<int, std::shared_ptr<RecvChannel>> receivers_;  // shared: requests hold weak references
 };
 
 }  // namespace megadpp
