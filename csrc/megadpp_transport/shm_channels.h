@@ -226,6 +226,7 @@ class RecvChannel : public Progress, public std::enable_shared_from_this<RecvCha
   }
 
   void poll() override {
+    if (stopping_.load()) return;
     std::unique_lock<std::mutex> drain(drain_mutex_, std::try_to_lock);
     if (drain.owns_lock()) drain_published();
   }
@@ -238,7 +239,7 @@ class RecvChannel : public Progress, public std::enable_shared_from_this<RecvCha
       poll();
       if (request.is_completed()) break;
       if (!wait_for(&ring_.control->head_word, wake, [&] { return stopping_.load() || monotonic_ns() > deadline; }))
-        return request.is_completed();
+        return stopping_.load() ? request.wait(1.0) : request.is_completed();  // stop() fails what it leaves
     }
     return true;
   }
