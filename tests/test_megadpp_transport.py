@@ -14,13 +14,14 @@ SHM = "/dev/shm"
 
 
 def test_exchange_matches_gloo_for_every_dtype_shape_and_order():
-    """Three ranks, every pair both ways: dtypes, empty / 0-d / non-contiguous / multi-slot tensors,
-    many outstanding transfers on a 4-slot ring, per-tag order, observer events; shared memory and
-    torch.distributed both equal to plain gloo send/recv."""
-    result = torchrun(3, WORKER, ["exchange"], timeout=400)
+    """Four ranks, every pair both ways: dtypes, empty / 0-d / non-contiguous / multi-slot tensors,
+    many outstanding transfers on a 4-slot ring, per-tag order, observer events; shared memory,
+    torch.distributed and the two together (--multi-node over two simulated nodes) all equal to
+    plain gloo send/recv."""
+    result = torchrun(4, WORKER, ["exchange"], timeout=500)
     assert_succeeded(result)
-    for rank in range(3):
-        for kind in ("shared memory", "torch.distributed"):
+    for rank in range(4):
+        for kind in ("shared memory", "torch.distributed", "routed (--multi-node)"):
             assert f"rank {rank}: {kind} exchange matches gloo" in result.stdout
 
 

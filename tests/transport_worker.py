@@ -1,8 +1,8 @@
 """One rank of a transport test (launched by tests/test_megadpp_transport.py through torchrun, gloo).
 
-    exchange  every rank sends every test tensor to every other rank over the shared-memory and the
-              torch.distributed transports; checks values, order, observer events, and equality with
-              plain gloo send/recv of the same tensors
+    exchange  every rank sends every test tensor to every other rank over the shared-memory, the
+              torch.distributed and the routed (--multi-node) transports; checks values, order,
+              observer events, and equality with plain gloo send/recv of the same tensors
     cuda-ipc  the same exchange of GPU tensors over CUDA IPC (two processes may share one GPU)
     sigkill   rank 1 kills itself (SIGKILL) with sends outstanding; the test then checks /dev/shm
     too-small the transport is given less /dev/shm than it needs (a cap, not a full /dev/shm)
@@ -16,7 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadpp.transport import cuda_ipc_transport, distributed_transport, shared_memory_transport
+from megadpp.transport import create_transport, cuda_ipc_transport, distributed_transport, shared_memory_transport
+from megadpp.transport.distributed import DistributedTransport
+from megadpp.transport.node import NodeTransport
 from megatron.training.errors import exit_on_user_error
 
 SMALL_RING = {"slots": 4, "slot_bytes": 64 << 10}  # large messages span slots and wrap the ring
@@ -94,6 +96,16 @@ def check_events(events, rank, peers):
     assert {e.nbytes for e in big} == {300_000 * 4}
 
 
+def routed(rank, peers, observer):
+    """--multi-node with two "nodes" of two ranks (--node-ips): shared memory to the rank of this
+    node, torch.distributed to the other two."""
+    flags = argparse.Namespace(device="cpu", multi_node=True, node_ips="127.0.0.1,127.0.0.2", workload=None)
+    transport = create_transport(flags, peers, observer=observer)
+    kinds = {peer: type(transport.routes[peer]) for peer in peers}
+    assert kinds == {p: NodeTransport if p // 2 == rank // 2 else DistributedTransport for p in peers}, kinds
+    return transport
+
+
 def run_exchange(rank, world):
     peers = [p for p in range(world) if p != rank]
     gloo = gloo_exchange(rank, peers)
@@ -101,6 +113,7 @@ def run_exchange(rank, world):
         "shared memory": lambda observer: shared_memory_transport(rank, peers, name="exchange", observer=observer,
                                                                   workload=16 << 10, **SMALL_RING),
         "torch.distributed": lambda observer: distributed_transport(rank, peers, observer=observer),
+        "routed (--multi-node)": lambda observer: routed(rank, peers, observer),
     }
     for kind, make in factories.items():
         events = []
