@@ -1,6 +1,7 @@
-"""Bandwidth and latency of MegaDPP's shared-memory transport against gloo send/recv, two processes.
+"""Bandwidth and latency of MegaDPP's shared-memory transport against gloo send/recv, two processes
+(``--device cuda``: the CUDA IPC transport against gloo staged through host memory).
 
-    python -m torch.distributed.run --nproc_per_node 2 bench/transport_bandwidth.py [--max-bytes 256M]
+    python -m torch.distributed.run --nproc_per_node 2 bench/transport_bandwidth.py [--max-bytes 256M] [--device cuda]
 
 Latency: half the median round trip of one message (ping-pong). Bandwidth: a stream of messages one
 way, timed on the receiver from a common start to the last message. Prints a Markdown table (rank 0).
@@ -13,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadpp.transport import shared_memory_transport
+from megadpp.transport import cuda_ipc_transport, shared_memory_transport
 from megadpp.transport.factories import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, DEFAULT_WORKLOAD
 
 
@@ -23,28 +24,32 @@ def parse_bytes(text):
 
 
 class Gloo:
-    """Plain torch.distributed point to point, receiving into a buffer of known shape."""
+    """Plain gloo point to point, receiving into a buffer of known shape. For GPU tensors it stages
+    through host memory (as MegaDPP's first transport did): copy out, send, receive, copy in."""
 
-    name = "gloo send/recv"
+    def __init__(self, device):
+        self.device = device
+        self.name = "gloo" if device.type == "cpu" else "gloo via host"
 
     def isend(self, tensor, peer):
-        return dist.isend(tensor, peer)
+        return dist.isend(tensor.cpu(), peer), None
 
     def irecv(self, like, peer):
-        buffer = torch.empty_like(like)
-        work = dist.irecv(buffer, peer)
-        return work
+        buffer = torch.empty(like.shape, dtype=like.dtype)
+        return dist.irecv(buffer, peer), buffer
 
-    @staticmethod
-    def done(work):
+    def done(self, pending):
+        work, buffer = pending
         work.wait()
+        if buffer is not None and self.device.type == "cuda":
+            buffer.to(self.device)
+            torch.cuda.current_stream().synchronize()
 
 
 class Transport:
-    name = "megadpp shared memory"
-
-    def __init__(self, transport):
+    def __init__(self, transport, name):
         self.transport = transport
+        self.name = name
 
     def isend(self, tensor, peer):
         return self.transport.isend(tensor, peer)
@@ -54,7 +59,7 @@ class Transport:
 
     @staticmethod
     def done(handle):
-        handle.wait()
+        handle.wait()  # a CUDA IPC handle completes once its copy has run on the GPU
 
 
 def latency(link, rank, x, iters):
@@ -101,15 +106,23 @@ def main():
                         help="bytes per bandwidth stream (at least 4 messages)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workload", type=parse_bytes, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: the CUDA IPC transport (the two ranks may share one GPU) against gloo via host")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    transport = shared_memory_transport(rank, [1 - rank], name="bench", workload=args.workload)
-    links = [Transport(transport), Gloo()]
+    if args.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        transport = Transport(cuda_ipc_transport(rank, [1 - rank], device=device.index, name="bench"), "CUDA IPC")
+    else:
+        device = torch.device("cpu")
+        transport = Transport(shared_memory_transport(rank, [1 - rank], name="bench", workload=args.workload), "shm")
+    links = [transport, Gloo(device)]
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
-        x = torch.ones(size // 4)
+        x = torch.ones(size // 4, device=device)
         iters = max(5, min(200, (64 << 20) // size))
         count = max(4, args.stream_bytes // size)
         row = [size]
@@ -119,14 +132,16 @@ def main():
         if rank == 0:
             print(f"{size} bytes done", flush=True)
         size *= 4
-    transport.close()
+    transport.transport.close()
     if rank == 0:
-        print(f"\nslots {DEFAULT_SLOTS} x {DEFAULT_SLOT_BYTES >> 20} MiB, workload {args.workload} bytes\n")
-        print("| message | shm latency (µs) | gloo latency (µs) | shm bandwidth (GB/s) | gloo bandwidth (GB/s) |")
+        print(f"\n{device}: slots {DEFAULT_SLOTS} x {DEFAULT_SLOT_BYTES >> 20} MiB, workload {args.workload} bytes\n")
+        ours, theirs = (link.name for link in links)
+        print(f"| message | {ours} latency (µs) | {theirs} latency (µs) | {ours} bandwidth (GB/s) | "
+              f"{theirs} bandwidth (GB/s) |")
         print("|---:|---:|---:|---:|---:|")
-        for size, shm_lat, gloo_lat, shm_bw, gloo_bw in rows:
+        for size, our_lat, their_lat, our_bw, their_bw in rows:
             label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            print(f"| {label} | {shm_lat * 1e6:.1f} | {gloo_lat * 1e6:.1f} | {shm_bw / 1e9:.2f} | {gloo_bw / 1e9:.2f} |")
+            print(f"| {label} | {our_lat * 1e6:.1f} | {their_lat * 1e6:.1f} | {our_bw / 1e9:.2f} | {their_bw / 1e9:.2f} |")
     dist.destroy_process_group()
 
 
