@@ -28,7 +28,6 @@ def cuda_ipc_transport(rank, peers, *, device=None, store=None, name="megadpp", 
                        slot_bytes=DEFAULT_SLOT_BYTES, shm_limit_bytes=None, observer=None, timeout=300.0):
     """GPU tensors of processes of one node (they may share one GPU); ``device``: this rank's GPU
     (default: the current one). Options as for ``shared_memory_transport``."""
-    device = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
     return node.cuda_ipc(rank, peers, device=device, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
                          shm_limit_bytes=shm_limit_bytes, observer=observer, timeout=timeout)
 
@@ -64,6 +63,8 @@ def create_transport(args, peers, observer=None):
     local = [p for p in peers if p // per_node == rank // per_node and p != rank]
     remote = [p for p in peers if p // per_node != rank // per_node]
     routes = {}
+    if local and getattr(args, "device", "cpu") == "cuda" and not cuda_ipc_available():
+        remote, local = remote + local, []  # the import said the CUDA IPC part is missing: NCCL it is
     if local:
         if getattr(args, "device", "cpu") == "cuda":
             routes.update(dict.fromkeys(local, cuda_ipc_transport(rank, local, observer=observer)))

@@ -4,6 +4,8 @@ through a torch.distributed Store and unlink every segment once its receiver has
 
 import weakref
 
+import torch
+
 from megadpp.transport.base import Transport
 from megadpp.transport.native import NativeHandle, TransportSetupError, cuda_ipc_module, shm_module
 from megadpp.transport.rendezvous import channel_key, check_shm_room, default_store, segment_name
@@ -64,6 +66,7 @@ def shared_memory(rank, peers, *, slots, slot_bytes, workload, **options):
 
 
 def cuda_ipc(rank, peers, *, device, slots, slot_bytes, **options):
-    cuda = cuda_ipc_module()
+    cuda = cuda_ipc_module()  # first: on a build without CUDA this is the one line to show
+    device = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
     return NodeTransport(cuda.CudaIpcTransport(device), cuda.segment_bytes(slots), rank, peers, slots=slots,
                          slot_bytes=slot_bytes, **options)
