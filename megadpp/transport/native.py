@@ -1,7 +1,6 @@
 """The compiled part of the transport (csrc/megadpp_transport) and the handle over its requests."""
 
 import os
-import sys
 
 from megadpp.transport.base import Handle, TransferEvent
 from megatron.training.errors import UserError
@@ -21,9 +20,10 @@ try:
     from megadpp.transport import _cuda_ipc
 except ImportError:
     _cuda_ipc = None
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # one line per node, not one per rank
+    # One line per node (not per rank), on stdout: stderr carries a failed launch's single error line.
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         print("megadpp transport: CUDA IPC part not built (no CUDA at build time); shared memory and "
-              "torch.distributed transports only", file=sys.stderr)
+              "torch.distributed transports only", flush=True)
 
 
 def shm_module():
