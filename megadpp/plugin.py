@@ -1,0 +1,53 @@
+"""MegaDPP's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
+
+import torch
+from megatron.core import parallel_state
+
+from megadpp.arguments import add_arguments, delays_requested, validate_args
+from megadpp.fault_injection import arrival_delay, install_stage_delay
+from megadpp.runtime import DynamicPipelineSchedule
+from megadpp.schedule_log import ScheduleLog
+from megadpp.torch_transport import TorchDistributedTransport, channel_groups
+from megatron.training.training_log import print_rank_0
+
+
+class MegaDPPPlugin:
+    def __init__(self):
+        self.schedule = None
+        self.log = None
+
+    def add_arguments(self, parser):
+        add_arguments(parser)
+
+    def is_enabled(self, args):
+        return args.use_dpp or delays_requested(args)
+
+    def validate_args(self, args):
+        validate_args(args)
+
+    def after_setup(self, args, model, optimizer, scheduler):
+        if args.dpp_delay_stage is not None:
+            install_stage_delay(model, args)
+        if not args.use_dpp:
+            return
+        device = next(model[0].parameters()).device
+        groups = channel_groups(parallel_state.get_pipeline_model_parallel_group(), 2 * len(model))
+        transport = TorchDistributedTransport(groups, device)
+        self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None
+        self.schedule = DynamicPipelineSchedule(args.dpp_policy, transport, args.dpp_max_inflight, self.log,
+                                                arrival_delay(args))
+        cap = args.dpp_max_inflight or "what 1F1B holds"
+        print_rank_0(f"MegaDPP: {args.dpp_policy} dynamic pipeline schedule over {transport.name} "
+                     f"({torch.distributed.get_backend()}), activation cap per stage: {cap}")
+
+    def forward_backward_func(self, args):
+        return self.schedule
+
+    def on_iteration_begin(self, args, iteration):
+        if self.log is not None:
+            self.log.iteration = iteration
+
+    def on_train_end(self, args, iteration):
+        if self.log is not None:
+            self.log.write()
+            print_rank_0(f"MegaDPP: wrote the schedule each rank ran to {args.dpp_log_schedule}")
