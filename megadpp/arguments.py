@@ -50,6 +50,12 @@ def delays_requested(args):
     return args.dpp_delay_stage is not None or args.dpp_delay_link is not None or args.dpp_jitter_ms > 0
 
 
+def any_flag_given(args):
+    """Whether the plugin has something to do or check: --use-dpp, a delay, or a DPP option to refuse."""
+    return (args.use_dpp or delays_requested(args) or args.dpp_max_inflight is not None
+            or args.dpp_log_schedule is not None)
+
+
 def validate_args(args):
     stages = args.pipeline_model_parallel_size
     if args.use_dpp:

@@ -3,7 +3,7 @@
 import torch
 from megatron.core import parallel_state
 
-from megadpp.arguments import add_arguments, delays_requested, validate_args
+from megadpp.arguments import add_arguments, any_flag_given, validate_args
 from megadpp.fault_injection import arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
@@ -20,7 +20,7 @@ class MegaDPPPlugin:
         add_arguments(parser)
 
     def is_enabled(self, args):
-        return args.use_dpp or delays_requested(args)
+        return any_flag_given(args)
 
     def validate_args(self, args):
         validate_args(args)
