@@ -7,7 +7,11 @@ that), every transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay
 compute; one straggler stage adds ``straggler_ms`` to a microbatch's compute there with probability
 ``straggler_probability``, one straggler link the same to transfers leaving that stage. Random draws
 depend only on (seed, what, stage, microbatch), so every schedule meets the same delays.
-Sends never block a rank (DPP's transport, and an optimistic view of the static schedules).
+DPP's sends never block a rank (its transport is asynchronous). megatron-core's static schedules wait for
+their sends: each step exchanges the output of its compute together with the receives of the next forward
+and backward (``send_forward_recv_backward`` and friends) and waits for all of them, so a send completes
+only once the receiving rank has posted the matching receive, which it does when it finishes the compute
+before its next forward / backward of that kind. ``blocking_sends`` models that rendezvous.
 """
 
 import random
@@ -56,6 +60,10 @@ class _StaticRank:
     def __init__(self, order):
         self.order, self.position = order, 0
 
+    def posted(self, kind):
+        """The action whose input this rank has a receive posted for: its next one of that kind."""
+        return next((a for a in self.order[self.position:] if a.kind == kind), None)
+
     def done(self):
         return self.position == len(self.order)
 
@@ -93,17 +101,29 @@ class SimulationResult:
     orders: dict  # pp rank -> the actions it ran, in order
 
 
-def simulate(stages, chunks, microbatches, cost, *, static_orders=None, policy=None, caps=None):
+def simulate(stages, chunks, microbatches, cost, *, static_orders=None, policy=None, caps=None,
+             blocking_sends=None):
     """Run one iteration either with fixed ``static_orders`` (pp rank -> actions) or with a ``policy``
-    under per-rank activation ``caps``."""
+    under per-rank activation ``caps``. ``blocking_sends`` defaults to True for static orders."""
+    blocking_sends = static_orders is not None if blocking_sends is None else blocking_sends
     layouts = [StageLayout(r, stages, chunks) for r in range(stages)]
     if static_orders is not None:
         ranks = [_StaticRank(static_orders[r]) for r in range(stages)]
     else:
         ranks = [_DynamicRank(StageProgress(layouts[r], microbatches, caps[r]), policy) for r in range(stages)]
     arrivals = {}  # (pp rank, kind, chunk, microbatch) -> when the input of that action is there
-    free_at = [0.0] * stages
+    free_at = [0.0] * stages  # None while the rank waits for one of its sends to be received
+    last_finish = [0.0] * stages  # when a rank's latest compute ended: it posts its next receives then
+    held = {}  # arrivals key -> (sending rank, when the send was posted, transfer time): blocking sends
     orders = {r: [] for r in range(stages)}
+
+    def complete_held_sends():
+        for key in list(held):
+            dest, kind, chunk, microbatch = key
+            consumer = ranks[dest].posted(kind)
+            if consumer is not None and (consumer.chunk, consumer.microbatch) == (chunk, microbatch):
+                sender, sent, transfer = held.pop(key)
+                arrivals[key] = free_at[sender] = max(sent, last_finish[dest]) + transfer
 
     def arrival_for(pp_rank):
         layout = layouts[pp_rank]
@@ -119,28 +139,37 @@ def simulate(stages, chunks, microbatches, cost, *, static_orders=None, policy=N
 
     arrival_functions = [arrival_for(r) for r in range(stages)]
     while not all(rank.done() for rank in ranks):
-        choices = [(choice, r) for r, rank in enumerate(ranks)
-                   if not rank.done() and (choice := rank.next_choice(free_at[r], arrival_functions[r]))]
+        complete_held_sends()
+        choices = [(choice, r) for r, rank in enumerate(ranks) if not rank.done() and free_at[r] is not None
+                   and (choice := rank.next_choice(free_at[r], arrival_functions[r]))]
         if not choices:
             raise RuntimeError("simulated pipeline deadlocked")  # the progress rules make this unreachable
         (start, action), r = min(choices, key=lambda item: (item[0][0], item[1]))
         finish = start + cost.compute_ms(r, chunks, action)
-        free_at[r] = finish
+        free_at[r] = last_finish[r] = finish
         ranks[r].record(action)
         orders[r].append(action)
-        _deliver(arrivals, layouts[r], action, finish + cost.transfer_time_ms(r, action), finish)
+        key = _message_key(layouts[r], action)
+        if key is None:
+            if layouts[r].is_last(action.chunk) and action.kind == FORWARD:  # the loss is computed here
+                arrivals[(r, LOSS, action.chunk, action.microbatch)] = finish
+        elif blocking_sends:
+            held[key], free_at[r] = (r, finish, cost.transfer_time_ms(r, action)), None
+        else:
+            arrivals[key] = finish + cost.transfer_time_ms(r, action)
+    complete_held_sends()
     peak = max(peak_in_flight(order) for order in orders.values())
     return SimulationResult(max(free_at), peak, orders)
 
 
-def _deliver(arrivals, layout, action, arrives, finished):
+def _message_key(layout, action):
+    """Where an action's output goes: the arrivals key of the action it feeds, or None (no message)."""
     if action.kind == FORWARD:
-        if layout.is_last(action.chunk):  # the loss is computed: the backward may start here
-            arrivals[(layout.pp_rank, LOSS, action.chunk, action.microbatch)] = finished
-            return
+        if layout.is_last(action.chunk):
+            return None
         peer, chunk = layout.downstream(action.chunk)
     else:
         if layout.is_first(action.chunk):
-            return
+            return None
         peer, chunk = layout.upstream(action.chunk)
-    arrivals[(peer, action.kind, chunk, action.microbatch)] = arrives
+    return peer, action.kind, chunk, action.microbatch
