@@ -11,4 +11,7 @@ PYTHON="$VENV/bin/python"
 if ! "$PYTHON" -c "import torch" 2>/dev/null; then
     "$PYTHON" -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-"$PYTHON" -m pip install -q -e ".[test]"
+# The C++ transport of csrc/ is built against that torch, so the build sees the environment's
+# packages (no build isolation, which would fetch a second torch): its build tools come first.
+"$PYTHON" -m pip install -q "setuptools>=64" wheel pybind11
+"$PYTHON" -m pip install -q --no-build-isolation -e ".[test]"

@@ -1,0 +1,243 @@
+// The two ends of a shared-memory channel. Each end runs one thread that carries its requests out
+// in order, so that Python only posts work and polls or waits for it.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "copy_pool.h"
+#include "request.h"
+#include "shm_ring.h"
+
+namespace megadpp {
+
+using RequestPtr = std::shared_ptr<Request>;
+
+inline void describe(SlotHeader* h, const at::Tensor& t, uint64_t seq, int64_t tag) {
+  h->seq = seq;
+  h->tag = tag;
+  h->dtype = static_cast<int32_t>(t.scalar_type());
+  h->ndim = static_cast<int32_t>(t.dim());
+  for (int64_t d = 0; d < t.dim(); ++d) h->shape[d] = t.size(d);
+  h->total_bytes = t.nbytes();
+}
+
+inline std::vector<int64_t> shape_of(const SlotHeader* h) { return {h->shape, h->shape + h->ndim}; }
+
+inline void check_sendable(const at::Tensor& t) {
+  check(t.dim() <= kMaxDims, "megadpp transport: a tensor of ", t.dim(), " dimensions (at most ", kMaxDims, ")");
+  check(!t.is_sparse(), "megadpp transport: sparse tensors are not supported");
+}
+
+// The sender's end: creates the segment and fills the ring; a send completes when its last chunk is
+// in the ring (the tensor may then be reused).
+class SendChannel {
+ public:
+  SendChannel(const std::string& name, uint32_t slots, uint64_t slot_bytes, CopyPool* pool) : pool_(pool) {
+    segment_.create(name, segment_bytes(slots, slot_bytes));
+    auto* control = reinterpret_cast<ControlBlock*>(segment_.base());  // zero-filled by the kernel
+    control->magic = kMagic;
+    control->version = kVersion;
+    control->slots = slots;
+    control->slot_bytes = slot_bytes;
+    ring_.bind(segment_.base());
+  }
+  ~SendChannel() { stop(); }
+
+  ControlBlock* control() const { return ring_.control; }
+
+  // Unlink the segment once the receiver has mapped it: from then on nothing of it is in /dev/shm
+  // and the kernel frees it when both processes are gone, however they end.
+  void await_receiver(double timeout_s) {
+    int64_t deadline = monotonic_ns() + int64_t(timeout_s * 1e9);
+    bool attached = wait_for(&ring_.control->attached, [&] { return ring_.control->attached.load() != 0; },
+                             [&] { return monotonic_ns() > deadline; });
+    segment_.unlink();
+    check(attached, "megadpp transport: the receiving rank did not open its channel within ", timeout_s, " s");
+  }
+
+  void start() { thread_ = std::thread([this] { run(); }); }
+
+  RequestPtr post(const at::Tensor& tensor, int64_t tag) {
+    check_sendable(tensor);
+    auto request = std::make_shared<Request>(tag);
+    request->tensor = tensor.contiguous();
+    request->nbytes = request->tensor.nbytes();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      check(!stopping_, "megadpp transport: send on a closed transport");
+      request->seq = next_seq_++;
+      queue_.push_back(request);
+    }
+    cv_.notify_one();
+    return request;
+  }
+
+  void stop() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    futex_wake(&ring_.control->tail_word);
+    if (thread_.joinable()) thread_.join();
+    for (auto& request : queue_) request->complete("megadpp transport: closed before the send went out");
+    queue_.clear();
+    ring_.control->closed.store(1, std::memory_order_release);
+    futex_wake(&ring_.control->head_word);
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      RequestPtr request;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+        if (stopping_) return;
+        request = queue_.front();
+      }
+      if (!send(*request)) return;  // stopped in the middle: stop() fails what is queued
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        queue_.pop_front();
+      }
+      request->complete();
+    }
+  }
+
+  bool send(Request& request) {
+    const at::Tensor& t = request.tensor;
+    const char* src = static_cast<const char*>(t.data_ptr());
+    uint64_t total = t.nbytes(), slot_bytes = ring_.control->slot_bytes, offset = 0;
+    do {  // an empty tensor still sends one (empty) chunk: the header is the message
+      uint64_t index;
+      if (!ring_.acquire(&index, [&] { return stopping_.load(); })) return false;
+      SlotHeader* h = ring_.header(index);
+      describe(h, t, request.seq, request.tag);
+      h->offset = offset;
+      h->chunk_bytes = std::min(slot_bytes, total - offset);
+      pool_->copy(ring_.data(index), src + offset, h->chunk_bytes);
+      offset += h->chunk_bytes;
+      ring_.publish();
+    } while (offset < total);
+    return true;
+  }
+
+  Segment segment_;
+  Ring ring_;
+  CopyPool* pool_;
+  std::thread thread_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<RequestPtr> queue_;
+  std::atomic<bool> stopping_{false};
+  uint64_t next_seq_ = 0;
+};
+
+// Receives match by tag: a message that arrives before its irecv waits in `arrived`, an irecv
+// posted before its message waits in `posted`; either way one Request joins them.
+class TagMatcher {
+ public:
+  RequestPtr post(int64_t tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& arrived = arrived_[tag];
+    if (!arrived.empty()) {
+      RequestPtr request = arrived.front();
+      arrived.pop_front();
+      return request;
+    }
+    auto request = std::make_shared<Request>(tag);
+    posted_[tag].push_back(request);
+    return request;
+  }
+
+  RequestPtr arrive(int64_t tag) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& posted = posted_[tag];
+    if (!posted.empty()) {
+      RequestPtr request = posted.front();
+      posted.pop_front();
+      return request;
+    }
+    auto request = std::make_shared<Request>(tag);
+    arrived_[tag].push_back(request);
+    return request;
+  }
+
+  void fail_posted(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [tag, requests] : posted_)
+      for (auto& request : requests) request->complete(why);
+    posted_.clear();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int64_t, std::deque<RequestPtr>> posted_, arrived_;
+};
+
+// The receiver's end: maps the sender's segment and drains the ring eagerly into fresh tensors, so a
+// sender never waits on the receiver's program order, only on the ring's capacity.
+class RecvChannel {
+ public:
+  RecvChannel(const std::string& name, CopyPool* pool) : pool_(pool) {
+    segment_.open(name);
+    ring_.bind(segment_.base());
+    check(ring_.control->magic == kMagic && ring_.control->version == kVersion,
+                "megadpp transport: /dev/shm", name, " is not a channel of this version");
+    ring_.control->attached.store(1, std::memory_order_release);
+    futex_wake(&ring_.control->attached);
+  }
+  ~RecvChannel() { stop(); }
+
+  void start() { thread_ = std::thread([this] { run(); }); }
+  RequestPtr post(int64_t tag) { return matcher_.post(tag); }
+
+  void stop() {
+    if (stopping_.exchange(true)) return;
+    futex_wake(&ring_.control->head_word);
+    if (thread_.joinable()) thread_.join();
+    if (current_) current_->complete("megadpp transport: closed in the middle of a receive");
+    matcher_.fail_posted("megadpp transport: closed before the message arrived");
+  }
+
+ private:
+  void run() {
+    auto stop = [&] { return stopping_.load() || ring_.control->closed.load(std::memory_order_acquire) != 0; };
+    uint64_t index;
+    while (ring_.next(&index, stop)) {
+      const SlotHeader* h = ring_.header(index);
+      if (h->offset == 0) {
+        current_ = matcher_.arrive(h->tag);
+        current_->tensor = at::empty(shape_of(h), at::TensorOptions().dtype(static_cast<at::ScalarType>(h->dtype)));
+        current_->seq = h->seq;
+        current_->nbytes = h->total_bytes;
+      }
+      pool_->copy(static_cast<char*>(current_->tensor.data_ptr()) + h->offset, ring_.data(index), h->chunk_bytes);
+      bool last = h->offset + h->chunk_bytes >= h->total_bytes;
+      ring_.consume();  // the header may be overwritten from here on
+      if (last) {
+        current_->complete();
+        current_.reset();
+      }
+    }
+  }
+
+  Segment segment_;
+  Ring ring_;
+  CopyPool* pool_;
+  TagMatcher matcher_;
+  RequestPtr current_;
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+};
+
+}  // namespace megadpp

@@ -1,0 +1,54 @@
+"""The interface every transport implements, and the event its observer receives."""
+
+import abc
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferEvent:
+    """One completed transfer, as MegaScan records a point-to-point op."""
+
+    op: str          # "send" or "recv"
+    peer: int        # the other rank (global rank)
+    nbytes: int
+    seq: int         # index of the message on its directed channel (self -> peer, or peer -> self)
+    tag: int
+    start_ns: int    # isend/irecv was called (time.perf_counter_ns clock)
+    end_ns: int      # the transfer was seen complete
+
+
+class Handle(abc.ABC):
+    """One outstanding send or receive."""
+
+    @abc.abstractmethod
+    def is_completed(self) -> bool:
+        """Whether the transfer is done; never blocks."""
+
+    @abc.abstractmethod
+    def wait(self, timeout=None):
+        """Block until done and return the tensor (received, or the one sent). ``timeout`` in seconds:
+        TimeoutError when it passes first."""
+
+
+class Transport(abc.ABC):
+    """Asynchronous tensor messages between this rank and ``peers`` (see the package docstring)."""
+
+    rank: int
+
+    @abc.abstractmethod
+    def isend(self, tensor, peer, tag=0) -> Handle:
+        """Queue ``tensor`` (any dtype, shape, layout; it must not change until the handle completes)."""
+
+    @abc.abstractmethod
+    def irecv(self, peer, tag=0) -> Handle:
+        """Ask for the next message from ``peer`` with ``tag``."""
+
+    @abc.abstractmethod
+    def close(self):
+        """Stop the transport's threads and release its memory; idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

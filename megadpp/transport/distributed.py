@@ -1,0 +1,206 @@
+"""Across nodes: torch.distributed isend/irecv (NCCL on GPUs, which uses RDMA where present; gloo on
+CPU) behind the transport interface. A message is a fixed-size header (tag, dtype, shape) followed by
+its bytes; receives match by tag exactly as the shared-memory transport does.
+
+torch.distributed's point-to-point works cannot be polled on gloo (``is_completed()`` turns true only
+inside ``wait()``), so completion is tracked by threads that wait: one per peer for what arrives from
+it, one for the sends. They receive only while a posted receive waits for its message, so no receive
+is left pending with nothing to match it.
+"""
+
+import collections
+import queue
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from megadpp.transport.base import Handle, Transport, TransferEvent
+
+MAX_DIMS = 16
+HEADER_WORDS = 3 + MAX_DIMS  # tag, dtype index, ndim, shape
+DTYPES = [getattr(torch, name) for name in (
+    "float32", "float64", "float16", "bfloat16", "complex64", "complex128", "uint8", "int8", "int16", "int32",
+    "int64", "bool", "uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)]
+DTYPE_INDEX = {dtype: index for index, dtype in enumerate(DTYPES)}
+
+
+def as_bytes(tensor):
+    """A flat uint8 view of a contiguous tensor: one wire format for every dtype (gloo has no bool or fp8)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class _Transfer:
+    """One message, shared by its handle and the thread that completes it."""
+
+    __slots__ = ("tag", "tensor", "seq", "nbytes", "start_ns", "end_ns", "error", "done")
+
+    def __init__(self, tag):
+        self.tag = tag
+        self.tensor = None
+        self.seq = -1
+        self.nbytes = 0
+        self.start_ns = time.perf_counter_ns()
+        self.end_ns = 0
+        self.error = None
+        self.done = threading.Event()
+
+    def complete(self, error=None):
+        self.error = error
+        self.end_ns = time.perf_counter_ns()
+        self.done.set()
+
+
+class DistributedHandle(Handle):
+    __slots__ = ("_transport", "_transfer", "_op", "_peer", "_sent", "_reported")
+
+    def __init__(self, transport, transfer, op, peer, sent=None):
+        self._transport = transport
+        self._transfer = transfer
+        self._op = op
+        self._peer = peer
+        self._sent = sent
+        self._reported = False
+
+    def is_completed(self):
+        if not self._transfer.done.is_set():
+            return False
+        self._finish()
+        return True
+
+    def wait(self, timeout=None):
+        if not self._transfer.done.wait(timeout):
+            raise TimeoutError(f"megadpp transport: {self._op} with rank {self._peer} "
+                               f"(tag {self._transfer.tag}) not done after {timeout} s")
+        return self._finish()
+
+    def _finish(self):
+        transfer = self._transfer
+        if transfer.error is not None:
+            raise RuntimeError(f"megadpp transport: {self._op} with rank {self._peer} failed: {transfer.error}")
+        if not self._reported and self._transport.observer is not None:
+            self._reported = True
+            self._transport.observer(TransferEvent(self._op, self._peer, transfer.nbytes, transfer.seq,
+                                                   transfer.tag, transfer.start_ns, transfer.end_ns))
+        return self._sent if self._op == "send" else transfer.tensor
+
+
+class _Inbox:
+    """What arrives from one peer, matched by tag (see csrc/megadpp_transport/shm_channels.h TagMatcher)."""
+
+    def __init__(self):
+        self.posted = collections.defaultdict(collections.deque)
+        self.arrived = collections.defaultdict(collections.deque)
+        self.waiting = 0  # posted receives whose message has not arrived
+        self.seq = 0
+
+
+class DistributedTransport(Transport):
+    def __init__(self, rank, peers, *, group=None, device=None, observer=None):
+        self.rank = rank
+        self.peers = sorted(set(peers) - {rank})
+        self.group = group
+        self.observer = observer
+        if device is None:
+            nccl = dist.get_backend(group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = torch.device(device)
+        self._send_seq = dict.fromkeys(self.peers, 0)
+        self._inboxes = {peer: _Inbox() for peer in self.peers}
+        self._lock = threading.Condition()
+        self._closing = False
+        self._sends = queue.Queue()
+        self._threads = [threading.Thread(target=self._complete_sends, daemon=True, name="megadpp-sends")]
+        self._threads += [threading.Thread(target=self._receive_from, args=(peer,), daemon=True,
+                                           name=f"megadpp-recv-{peer}") for peer in self.peers]
+        for thread in self._threads:
+            thread.start()
+
+    def isend(self, tensor, peer, tag=0):
+        if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPE_INDEX:
+            raise ValueError(f"megadpp transport: cannot send a {tensor.dim()}-d {tensor.dtype} tensor")
+        header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
+        header[:3] = torch.tensor([tag, DTYPE_INDEX[tensor.dtype], tensor.dim()])
+        header[3:3 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        payload = tensor.contiguous()
+        transfer = _Transfer(tag)
+        transfer.tensor, transfer.nbytes, transfer.seq = payload, payload.nbytes, self._send_seq[peer]
+        self._send_seq[peer] += 1
+        works = [dist.isend(header.to(self.device), peer, group=self.group)]
+        if payload.numel():
+            works.append(dist.isend(as_bytes(payload), peer, group=self.group))
+        self._sends.put((transfer, works))
+        return DistributedHandle(self, transfer, "send", peer, sent=tensor)
+
+    def irecv(self, peer, tag=0):
+        inbox = self._inboxes[peer]
+        with self._lock:
+            if inbox.arrived[tag]:
+                transfer = inbox.arrived[tag].popleft()
+            else:
+                transfer = _Transfer(tag)
+                inbox.posted[tag].append(transfer)
+                inbox.waiting += 1
+                self._lock.notify_all()
+        return DistributedHandle(self, transfer, "recv", peer)
+
+    def close(self):
+        """Stop the threads that are idle; one blocked on a message that never comes is a daemon.
+        torch.distributed owns the communicators."""
+        with self._lock:
+            self._closing = True
+            self._lock.notify_all()
+        self._sends.put(None)
+
+    def _complete_sends(self):
+        self._set_device()
+        while (item := self._sends.get()) is not None:
+            transfer, works = item
+            try:
+                for work in works:
+                    work.wait()
+                transfer.complete()
+            except RuntimeError as error:
+                transfer.complete(str(error).splitlines()[0])
+
+    def _receive_from(self, peer):
+        self._set_device()
+        inbox = self._inboxes[peer]
+        while True:
+            with self._lock:
+                self._lock.wait_for(lambda: inbox.waiting or self._closing)
+                if self._closing:
+                    return
+            try:
+                header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+                dist.irecv(header, peer, group=self.group).wait()
+                tag, dtype_index, ndim, *shape = header.tolist()
+                tensor = torch.empty(shape[:ndim], dtype=DTYPES[dtype_index], device=self.device)
+                if tensor.numel():
+                    dist.irecv(as_bytes(tensor), peer, group=self.group).wait()
+            except RuntimeError as error:
+                self._fail_posted(inbox, str(error).splitlines()[0])
+                return
+            with self._lock:
+                if inbox.posted[tag]:
+                    transfer = inbox.posted[tag].popleft()
+                    inbox.waiting -= 1
+                else:
+                    transfer = _Transfer(tag)
+                    inbox.arrived[tag].append(transfer)
+                transfer.tensor, transfer.nbytes, transfer.seq = tensor, tensor.nbytes, inbox.seq
+                inbox.seq += 1
+            transfer.complete()
+
+    def _fail_posted(self, inbox, why):
+        with self._lock:
+            for transfers in inbox.posted.values():
+                for transfer in transfers:
+                    transfer.complete(why)
+            inbox.posted.clear()
+            inbox.waiting = 0
+
+    def _set_device(self):
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)

@@ -1,0 +1,40 @@
+"""Agreeing on segment names through a torch.distributed Store, and checking /dev/shm has room."""
+
+import os
+import secrets
+
+import torch.distributed as dist
+
+from megadpp.transport.native import TransportSetupError
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "megadpp-"
+
+
+def default_store():
+    if not dist.is_initialized():
+        raise TransportSetupError("megadpp transport: torch.distributed is not initialized; pass a store")
+    return dist.distributed_c10d._get_default_store()
+
+
+def segment_name(rank, peer):
+    """Per run and per process: the creator's pid and a random token, so no two runs (or two
+    transports of one run) can meet on a name, and a test can tell a run's segments apart."""
+    return f"/{SEGMENT_PREFIX}{os.getpid()}-{rank}to{peer}-{secrets.token_hex(4)}"
+
+
+def channel_key(name, src, dst):
+    return f"{name}/channel/{src}->{dst}"
+
+
+def check_shm_room(needed, channels, limit=None):
+    """Fail in one line, naming the size needed, before creating anything."""
+    stat = os.statvfs(SHM_DIR)
+    free = stat.f_bavail * stat.f_frsize
+    room = free if limit is None else min(free, limit)
+    if needed > room:
+        limit_note = "" if limit is None else f" (capped at {limit} bytes)"
+        raise TransportSetupError(
+            f"megadpp transport: {SHM_DIR} has {room} bytes free{limit_note} but the {channels} channel(s) of this rank "
+            f"need {needed} bytes ({-(-needed // 2**20)} MiB); enlarge it (e.g. docker run --shm-size="
+            f"{-(-needed * 8 // 2**30)}g for 8 ranks) or lower the transport's slots / slot bytes")

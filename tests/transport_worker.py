@@ -1,0 +1,152 @@
+"""One rank of a transport test (launched by tests/test_megadpp_transport.py through torchrun, gloo).
+
+    exchange  every rank sends every test tensor to every other rank over the shared-memory and the
+              torch.distributed transports; checks values, order, observer events, and equality with
+              plain gloo send/recv of the same tensors
+    sigkill   rank 1 kills itself (SIGKILL) with sends outstanding; the test then checks /dev/shm
+    too-small the transport is given less /dev/shm than it needs (a cap, not a full /dev/shm)
+"""
+
+import argparse
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megadpp.transport import distributed_transport, shared_memory_transport
+from megatron.training.errors import exit_on_user_error
+
+SMALL_RING = {"slots": 4, "slot_bytes": 64 << 10}  # large messages span slots and wrap the ring
+GLOO_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+               torch.int32, torch.int64)
+
+
+def test_tensors(sender):
+    """The same list on every rank for a given sender: dtypes, shapes, empty and non-contiguous tensors."""
+    g = torch.Generator().manual_seed(sender)
+    tensors = [(torch.randn(4, 7, 2, generator=g) * 50).to(dtype) for dtype in GLOO_DTYPES]
+    base = torch.randn(6, 8, generator=g)
+    tensors += [
+        torch.randn(2, 3, generator=g) > 0,
+        torch.randn(3, 2, generator=g, dtype=torch.complex64),
+        torch.tensor(3.5 + sender),                        # 0-d
+        torch.empty(0, 5), torch.empty(0, dtype=torch.int64),
+        base.t(), base[::2, 1::3],                         # non-contiguous
+        torch.randn(1, 2, 1, 3, 1, 2, 1, 2, generator=g),  # many dims
+        torch.randn(300_000, generator=g),                 # 1.2 MB: 19 slots of 64 KiB
+    ]
+    return tensors
+
+
+def identical(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def exchange(transport, rank, peers):
+    """All receives posted first (in reverse tag order), then all sends: many outstanding each way."""
+    received = {p: [None] * len(test_tensors(p)) for p in peers}
+    recvs = [(p, i, transport.irecv(p, tag=i)) for p in peers for i in reversed(range(len(received[p])))]
+    sends = [transport.isend(t, p, tag=i) for p in peers for i, t in enumerate(test_tensors(rank))]
+    # One tag, many messages: they must arrive in the order sent, interleaved with the tagged ones.
+    ordered = {p: [transport.irecv(p, tag=1000) for _ in range(40)] for p in peers}
+    order_sends = [transport.isend(torch.tensor([k, rank]), p, tag=1000) for p in peers for k in range(40)]
+    for p, i, handle in recvs:
+        received[p][i] = handle.wait(timeout=120)
+    for handle in sends + order_sends:
+        handle.wait(timeout=120)
+    for p in peers:
+        for i, (got, want) in enumerate(zip(received[p], test_tensors(p))):
+            assert identical(got, want.contiguous()), f"rank {rank}: message {i} from {p}: {got} != {want}"
+            assert got.is_contiguous()
+        order = [h.wait(timeout=120).tolist() for h in ordered[p]]
+        assert order == [[k, p] for k in range(40)], f"rank {rank}: out of order from {p}: {order}"
+    return received
+
+
+def gloo_exchange(rank, peers):
+    """The same tensors through plain gloo send/recv (shapes known in advance), for comparison."""
+    ops, got = [], {}
+    for p in peers:
+        for i, t in enumerate(test_tensors(rank)):
+            if t.dtype in GLOO_DTYPES and t.numel():
+                ops.append(dist.P2POp(dist.isend, t.contiguous(), p))
+        for i, t in enumerate(test_tensors(p)):
+            if t.dtype in GLOO_DTYPES and t.numel():
+                got[p, i] = torch.empty_like(t, memory_format=torch.contiguous_format)
+                ops.append(dist.P2POp(dist.irecv, got[p, i], p))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return got
+
+
+def check_events(events, rank, peers):
+    per_message = len(test_tensors(0)) + 40
+    assert len(events) == 2 * per_message * len(peers), len(events)
+    for op in ("send", "recv"):
+        for p in peers:
+            mine = [e for e in events if e.op == op and e.peer == p]
+            assert sorted(e.seq for e in mine) == list(range(per_message)), (op, p)
+            assert all(e.end_ns >= e.start_ns for e in mine)
+    big = [e for e in events if e.op == "send" and e.tag == len(test_tensors(0)) - 1]
+    assert {e.nbytes for e in big} == {300_000 * 4}
+
+
+def run_exchange(rank, world):
+    peers = [p for p in range(world) if p != rank]
+    gloo = gloo_exchange(rank, peers)
+    factories = {
+        "shared memory": lambda observer: shared_memory_transport(rank, peers, name="exchange", observer=observer,
+                                                                  workload=16 << 10, **SMALL_RING),
+        "torch.distributed": lambda observer: distributed_transport(rank, peers, observer=observer),
+    }
+    for kind, make in factories.items():
+        events = []
+        with make(events.append) as transport:
+            received = exchange(transport, rank, peers)
+        check_events(events, rank, peers)
+        for (p, i), want in gloo.items():
+            assert identical(received[p][i], want), f"{kind}: message {i} from {p} differs from gloo's"
+        print(f"rank {rank}: {kind} exchange matches gloo", flush=True)
+
+
+def run_sigkill(rank, out_dir):
+    with open(os.path.join(out_dir, f"pid-{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    transport = shared_memory_transport(rank, [1 - rank], name="sigkill", **SMALL_RING)
+    if rank == 1:
+        handles = [transport.isend(torch.ones(1 << 18), 0, tag=k) for k in range(8)]  # 8 MB into a 256 KiB ring
+        transport.irecv(0, tag=5).wait(timeout=120)  # rank 0 has its channels: both rings are in use
+        print("rank 1: killing myself with sends outstanding", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    transport.isend(torch.zeros(3), 1, tag=5).wait(timeout=120)
+    transport.irecv(1, tag=99).wait(timeout=300)  # never comes: the launcher ends this rank
+
+
+def run_too_small(rank, world):
+    peers = [p for p in range(world) if p != rank]
+    shared_memory_transport(rank, peers, name="small", shm_limit_bytes=1 << 20, slots=8, slot_bytes=1 << 20)
+    raise AssertionError("the transport started with less /dev/shm than it needs")
+
+
+@exit_on_user_error
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario", choices=["exchange", "sigkill", "too-small"])
+    parser.add_argument("--out-dir", default=".")
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if args.scenario == "exchange":
+        run_exchange(rank, world)
+    elif args.scenario == "sigkill":
+        run_sigkill(rank, args.out_dir)
+    else:
+        run_too_small(rank, world)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
