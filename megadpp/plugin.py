@@ -1,13 +1,13 @@
 """MegaDPP's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
 
-import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 
 from megadpp.arguments import add_arguments, any_flag_given, validate_args
 from megadpp.fault_injection import arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
-from megadpp.torch_transport import TorchDistributedTransport, channel_groups
+from megadpp.transport import create_transport, distributed_transport
 from megatron.training.training_log import print_rank_0
 
 
@@ -30,15 +30,27 @@ class MegaDPPPlugin:
             install_stage_delay(model, args)
         if not args.use_dpp:
             return
-        device = next(model[0].parameters()).device
-        groups = channel_groups(parallel_state.get_pipeline_model_parallel_group(), 2 * len(model))
-        transport = TorchDistributedTransport(groups, device)
+        transport, kind = self._transport(args, model)
         self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None
         self.schedule = DynamicPipelineSchedule(args.dpp_policy, transport, args.dpp_max_inflight, self.log,
                                                 arrival_delay(args))
         cap = args.dpp_max_inflight or "what 1F1B holds"
-        print_rank_0(f"MegaDPP: {args.dpp_policy} dynamic pipeline schedule over {transport.name} "
-                     f"({torch.distributed.get_backend()}), activation cap per stage: {cap}")
+        print_rank_0(f"MegaDPP: {args.dpp_policy} dynamic pipeline schedule over {kind}, "
+                     f"activation cap per stage: {cap}")
+
+    @staticmethod
+    def _transport(args, model):
+        """Shared memory (CUDA IPC on GPUs) between the pipeline neighbours of one node, torch.distributed
+        across nodes; with --trace all of it over torch.distributed, where MegaScan records every transfer."""
+        pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
+        if args.trace:
+            device = next(model[0].parameters()).device
+            return distributed_transport(dist.get_rank(), peers, device=device), \
+                f"torch.distributed ({dist.get_backend()}; --trace records its transfers)"
+        return create_transport(args, peers), "shared memory within a node" + (
+            ", torch.distributed across nodes" if args.multi_node else "")
 
     def forward_backward_func(self, args):
         return self.schedule
@@ -48,6 +60,8 @@ class MegaDPPPlugin:
             self.log.iteration = iteration
 
     def on_train_end(self, args, iteration):
+        if self.schedule is not None:
+            self.schedule.transport.close()
         if self.log is not None:
             self.log.write()
             print_rank_0(f"MegaDPP: wrote the schedule each rank ran to {args.dpp_log_schedule}")

@@ -23,7 +23,6 @@ from megatron.core.pipeline_parallel.schedules import (
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
-    get_tensor_shapes,
 )
 from megatron.core.utils import get_model_config, get_model_type
 
@@ -37,15 +36,17 @@ _IDLE_SLEEP_S = (20e-6, 1e-3)  # back-off while nothing is ready: from, to
 
 
 def channel_of(kind, receiving_chunk, chunks):
-    """Activations into chunk c travel on channel c, gradients into chunk c on channel chunks + c."""
+    """The transport tag of a stream: activations into chunk c travel with tag c, gradients into chunk c
+    with tag chunks + c. Each stream carries its microbatches in order, and the transport keeps the
+    messages of one (peer, tag) in order, so the k-th receive posted on a stream gets microbatch k."""
     return receiving_chunk + (chunks if kind == BACKWARD else 0)
 
 
 class _Inbox:
     """One posted receive per incoming channel, and what has arrived on it, in microbatch order."""
 
-    def __init__(self, transport, layout, pipeline_ranks, microbatches, shape, dtype, forward_only, delay):
-        self.transport, self.layout, self.shape, self.dtype = transport, layout, shape, dtype
+    def __init__(self, transport, layout, pipeline_ranks, microbatches, forward_only, delay):
+        self.transport, self.layout = transport, layout
         self.delay = delay  # (kind, chunk, microbatch, sending pp rank) -> seconds a message stays unseen
         self.received = {}  # (kind, chunk) -> how many messages have arrived
         self.pipeline_ranks = pipeline_ranks
@@ -69,8 +70,8 @@ class _Inbox:
             return
         self.remaining[key] -= 1
         peer_rank, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
-        self.pending[key] = self.transport.irecv(self.shape, self.dtype, self.pipeline_ranks[peer_rank],
-                                                 channel_of(kind, chunk, self.layout.chunks))
+        self.pending[key] = self.transport.irecv(self.pipeline_ranks[peer_rank],
+                                                 tag=channel_of(kind, chunk, self.layout.chunks))
 
     def poll(self):
         for key, handle in list(self.pending.items()):
@@ -82,7 +83,7 @@ class _Inbox:
                     sender, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
                     visible_at += self.delay(kind, chunk, self.received[key], sender)
                 self.received[key] += 1
-                self.arrived[key].append((visible_at, handle.tensor))
+                self.arrived[key].append((visible_at, handle.wait()))
                 self._post(key)
 
     def has(self, kind, chunk):
@@ -133,12 +134,8 @@ class _Iteration:
         self.layout = StageLayout(pp_group.rank(), stages, len(model))
         self.pipeline_ranks = dist.get_process_group_ranks(pp_group)
         self.device = next(model[0].parameters()).device
-        shape = get_tensor_shapes(seq_length=seq_length, micro_batch_size=micro_batch_size,
-                                  decoder_seq_length=decoder_seq_length, config=config,
-                                  tp_group=parallel_state.get_tensor_model_parallel_group(),
-                                  cp_group=parallel_state.get_context_parallel_group())[0]
-        self.inbox = _Inbox(schedule.transport, self.layout, self.pipeline_ranks, microbatches, shape,
-                            config.pipeline_dtype, forward_only, schedule.arrival_delay)
+        self.inbox = _Inbox(schedule.transport, self.layout, self.pipeline_ranks, microbatches, forward_only,
+                            schedule.arrival_delay)
         group_size = config.microbatch_group_size_per_vp_stage or stages
         cap = schedule.max_in_flight or default_caps(stages, len(model), microbatches, group_size)[self.layout.pp_rank]
         self.progress = StageProgress(self.layout, microbatches, cap, forward_only)
@@ -249,7 +246,7 @@ class _Iteration:
 
     def _send(self, kind, tensor, peer_rank, peer_chunk):
         channel = channel_of(kind, peer_chunk, self.layout.chunks)
-        self.sends.append(self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], channel))
+        self.sends.append(self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], tag=channel))
 
     # -- gradient and parameter synchronisation (as megatron-core's interleaved schedule) ---------------
 
