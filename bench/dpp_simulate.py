@@ -5,8 +5,8 @@ policy code the runtime runs, megadpp/policy.py), healthy and with jitter or one
     python bench/dpp_simulate.py                      # the table in docs/benchmarks.md
     python bench/dpp_simulate.py --stages 4 8 --microbatches 16 --straggler-ms 3 --probability 0.3
 
-Costs are in units of one stage's forward of one microbatch (forward 1, backward 2, transfer 0.05);
-each scenario draws its delays from --seed, the same for every schedule.
+Costs default to units of one stage's forward of one microbatch (forward 1, backward 2, transfer 0.05);
+each scenario's delays are drawn from seeds 0..--seeds-1, the same for every schedule.
 """
 
 import argparse
@@ -23,7 +23,7 @@ from megadpp.static_orders import static_order  # noqa: E402
 
 
 def scenarios(options, stages):
-    base = dict(forward_ms=1.0, backward_ratio=2.0, transfer_ms=0.05)
+    base = dict(forward_ms=options.forward_ms, backward_ratio=2.0, transfer_ms=options.transfer_ms)
     middle = stages // 2
     return {
         "healthy": dict(base),
@@ -71,6 +71,8 @@ def main():
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--chunks", type=int, default=2, help="model chunks per rank of the interleaved schedules")
+    parser.add_argument("--forward-ms", type=float, default=1.0, help="one stage's forward of one microbatch")
+    parser.add_argument("--transfer-ms", type=float, default=0.05)
     parser.add_argument("--jitter-ms", type=float, default=1.0)
     parser.add_argument("--straggler-ms", type=float, default=3.0)
     parser.add_argument("--probability", type=float, default=0.3)

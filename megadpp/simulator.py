@@ -4,7 +4,7 @@ becomes free. bench/dpp_simulate.py drives it.
 
 Cost model: a chunk's forward takes ``forward_ms / chunks`` on its rank (backward ``backward_ratio`` times
 that), every transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay in [0, jitter_ms) to every
-compute; one straggler stage adds ``straggler_ms`` to a microbatch's compute there with probability
+compute; one straggler stage adds ``straggler_ms`` to a forward there (as --dpp-delay-stage does) with probability
 ``straggler_probability``, one straggler link the same to transfers leaving that stage. Random draws
 depend only on (seed, what, stage, microbatch), so every schedule meets the same delays.
 DPP's sends never block a rank (its transport is asynchronous). megatron-core's static schedules wait for
@@ -43,7 +43,7 @@ class CostModel:
         base = self.forward_ms / chunks * (1.0 if kind == 0 else self.backward_ratio)
         key = (pp_rank, action.chunk, kind, action.microbatch)
         extra = self.jitter_ms * self._draw(0, *key)
-        if pp_rank == self.straggler_stage and self._draw(1, *key) < self.straggler_probability:
+        if kind == 0 and pp_rank == self.straggler_stage and self._draw(1, *key) < self.straggler_probability:
             extra += self.straggler_ms
         return base + extra
 
