@@ -45,9 +45,11 @@ def main():
         weight_diff = float((run.weights - reference.weights).abs().max() / reference.weights.abs().max())
         ok = same_keys and loss_diff <= LOSS_RTOL and weight_diff <= WEIGHT_RTOL
         failed |= not ok
-        print(f"DPP-EQUIVALENCE rank={dist.get_rank()} schedule={spec} iterations={ours.iterations} "
-              f"losses={sum(len(x) for x in run.losses)} max_loss_rel_diff={loss_diff:.3e} "
-              f"max_weight_rel_diff={weight_diff:.3e} {'OK' if ok else 'MISMATCH'}", flush=True)
+        line = (f"DPP-EQUIVALENCE rank={dist.get_rank()} schedule={spec} iterations={ours.iterations} "
+                f"losses={sum(len(x) for x in run.losses)} max_loss_rel_diff={loss_diff:.3e} "
+                f"max_weight_rel_diff={weight_diff:.3e} {'OK' if ok else 'MISMATCH'}\n")
+        sys.stdout.write(line)  # one write: the ranks share the pipe, print() writes the newline apart
+        sys.stdout.flush()
     dist.barrier()
     sys.exit(1 if failed else 0)
 
