@@ -17,7 +17,7 @@ def test_traced_dpp_run_matches_transfers_and_names_the_slowed_stage(gpt_data, t
     result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
         "--pipeline-model-parallel-size", "2", "--use-dpp", "--train-iters", "6", "--trace",
         "--trace-dir", trace_dir, "--trace-interval", "3", "--inject-slowdown-rank", "1",
-        "--inject-slowdown-factor", "4"], timeout=600)
+        "--inject-slowdown-factor", "8"], timeout=600)
     assert_succeeded(result)
     assert "MegaDPP: depth-first dynamic pipeline schedule over torch.distributed" in result.stdout
 
