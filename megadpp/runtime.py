@@ -148,10 +148,6 @@ class _Iteration:
         self.forward_data_store = []
         self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
 
-    def _timer(self, name):
-        timers = self.config.timers
-        return timers(name, log_level=2) if timers is not None else None
-
     def execute(self):
         config = self.config
         timer = self.config.timers('forward-backward', log_level=1) if config.timers is not None else None
