@@ -7,7 +7,7 @@ from megadpp.arguments import add_arguments, any_flag_given, validate_args
 from megadpp.fault_injection import arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
-from megadpp.transport import create_transport, distributed_transport
+from megadpp.transport import create_transport, cuda_ipc_available, distributed_transport
 from megatron.training.training_log import print_rank_0
 
 
@@ -41,15 +41,19 @@ class MegaDPPPlugin:
     @staticmethod
     def _transport(args, model):
         """Shared memory (CUDA IPC on GPUs) between the pipeline neighbours of one node, torch.distributed
-        across nodes; with --trace all of it over torch.distributed, where MegaScan records every transfer."""
+        across nodes. All of it over torch.distributed with --trace (MegaScan records the transfers at the
+        process group) and on GPUs of an install without the CUDA-IPC part."""
         pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
-        if args.trace:
+        why = ("--trace records its transfers" if args.trace else
+               "no CUDA IPC in this install" if args.device == "cuda" and not cuda_ipc_available() else None)
+        if why:
             device = next(model[0].parameters()).device
-            return distributed_transport(dist.get_rank(), peers, device=device), \
-                f"torch.distributed ({dist.get_backend()}; --trace records its transfers)"
-        return create_transport(args, peers), "shared memory within a node" + (
+            return (distributed_transport(dist.get_rank(), peers, device=device),
+                    f"torch.distributed ({dist.get_backend()}; {why})")
+        local = "CUDA IPC" if args.device == "cuda" else "shared memory"
+        return create_transport(args, peers), f"{local} within a node" + (
             ", torch.distributed across nodes" if args.multi_node else "")
 
     def forward_backward_func(self, args):
