@@ -7,7 +7,6 @@ from megadpp.arguments import add_arguments, any_flag_given, validate_args
 from megadpp.fault_injection import arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
-from megadpp.transport import create_transport, cuda_ipc_available, distributed_transport
 from megatron.training.training_log import print_rank_0
 
 
@@ -43,6 +42,10 @@ class MegaDPPPlugin:
         """Shared memory (CUDA IPC on GPUs) between the pipeline neighbours of one node, torch.distributed
         across nodes. All of it over torch.distributed with --trace (MegaScan records the transfers at the
         process group) and on GPUs of an install without the CUDA-IPC part."""
+        # Imported here: loading the compiled transport prints what it lacks, which a run without
+        # --use-dpp (or one refused at its flags) must not show.
+        from megadpp.transport import create_transport, cuda_ipc_available, distributed_transport
+
         pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})

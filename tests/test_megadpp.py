@@ -77,7 +77,7 @@ BAD = {
 def refused():
     def run(case):
         use_dpp = [] if case == "cap without dpp" else ["--use-dpp"]
-        return run_script("pretrain_gpt.py", MOCK + use_dpp + BAD[case][0], env={"WORLD_SIZE": "2"})
+        return run_script("pretrain_gpt.py", MOCK + use_dpp + BAD[case][0], env={"WORLD_SIZE": "2"}, timeout=600)
 
     # Each run spends seconds importing megatron-core: run them side by side.
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(BAD)) as pool:
