@@ -39,23 +39,21 @@ class MegaDPPPlugin:
 
     @staticmethod
     def _transport(args, model):
-        """Shared memory (CUDA IPC on GPUs) between the pipeline neighbours of one node, torch.distributed
-        across nodes. All of it over torch.distributed with --trace (MegaScan records the transfers at the
-        process group) and on GPUs of an install without the CUDA-IPC part."""
+        """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
+        torch.distributed across nodes); with --trace all of it over torch.distributed, where MegaScan
+        records the transfers at the process group."""
         # Imported here: loading the compiled transport prints what it lacks, which a run without
         # --use-dpp (or one refused at its flags) must not show.
-        from megadpp.transport import create_transport, cuda_ipc_available, distributed_transport
+        from megadpp.transport import create_transport, distributed_transport
 
         pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
-        why = ("--trace records its transfers" if args.trace else
-               "no CUDA IPC in this install" if args.device == "cuda" and not cuda_ipc_available() else None)
-        if why:
+        if args.trace:
             device = next(model[0].parameters()).device
             return (distributed_transport(dist.get_rank(), peers, device=device),
-                    f"torch.distributed ({dist.get_backend()}; {why})")
-        local = "CUDA IPC" if args.device == "cuda" else "shared memory"
+                    f"torch.distributed ({dist.get_backend()}; --trace records its transfers)")
+        local = "CUDA IPC (where built)" if args.device == "cuda" else "shared memory"
         return create_transport(args, peers), f"{local} within a node" + (
             ", torch.distributed across nodes" if args.multi_node else "")
 

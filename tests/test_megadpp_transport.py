@@ -3,7 +3,10 @@
 import os
 import secrets
 
+import pytest
+
 from launch import assert_succeeded, torchrun
+from megadpp.transport import cuda_ipc_available
 from megadpp.transport._shm import segment_bytes
 
 WORKER = "tests/transport_worker.py"
@@ -11,14 +14,24 @@ SHM = "/dev/shm"
 
 
 def test_exchange_matches_gloo_for_every_dtype_shape_and_order():
-    """Three ranks, every pair both ways: dtypes, empty / 0-d / non-contiguous / multi-slot tensors,
-    many outstanding transfers on a 4-slot ring, per-tag order, observer events; shared memory and
-    torch.distributed both equal to plain gloo send/recv."""
-    result = torchrun(3, WORKER, ["exchange"], timeout=400)
+    """Four ranks, every pair both ways: dtypes, empty / 0-d / non-contiguous / multi-slot tensors,
+    many outstanding transfers on a 4-slot ring, per-tag order, observer events; shared memory,
+    torch.distributed and the two together (--multi-node over two simulated nodes) all equal to
+    plain gloo send/recv."""
+    result = torchrun(4, WORKER, ["exchange"], timeout=500)
     assert_succeeded(result)
-    for rank in range(3):
-        for kind in ("shared memory", "torch.distributed"):
+    for rank in range(4):
+        for kind in ("shared memory", "torch.distributed", "routed (--multi-node)"):
             assert f"rank {rank}: {kind} exchange matches gloo" in result.stdout
+
+
+@pytest.mark.skipif(not cuda_ipc_available(), reason="needs a GPU and the CUDA IPC part of the extension")
+def test_cuda_ipc_exchange_between_two_processes_on_one_gpu():
+    """Two ranks on cuda:0 (or one GPU each where there are two): every dtype and shape, in order."""
+    result = torchrun(2, WORKER, ["cuda-ipc"], timeout=400)
+    assert_succeeded(result)
+    for rank in range(2):
+        assert f"rank {rank}: CUDA IPC exchange on cuda:" in result.stdout
 
 
 def run_segments(pids):

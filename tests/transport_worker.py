@@ -1,8 +1,9 @@
 """One rank of a transport test (launched by tests/test_megadpp_transport.py through torchrun, gloo).
 
-    exchange  every rank sends every test tensor to every other rank over the shared-memory and the
-              torch.distributed transports; checks values, order, observer events, and equality with
-              plain gloo send/recv of the same tensors
+    exchange  every rank sends every test tensor to every other rank over the shared-memory, the
+              torch.distributed and the routed (--multi-node) transports; checks values, order,
+              observer events, and equality with plain gloo send/recv of the same tensors
+    cuda-ipc  the same exchange of GPU tensors over CUDA IPC (two processes may share one GPU)
     sigkill   rank 1 kills itself (SIGKILL) with sends outstanding; the test then checks /dev/shm
     too-small the transport is given less /dev/shm than it needs (a cap, not a full /dev/shm)
 """
@@ -15,7 +16,9 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadpp.transport import distributed_transport, shared_memory_transport
+from megadpp.transport import create_transport, cuda_ipc_transport, distributed_transport, shared_memory_transport
+from megadpp.transport.distributed import DistributedTransport
+from megadpp.transport.node import NodeTransport
 from megatron.training.errors import exit_on_user_error
 
 SMALL_RING = {"slots": 4, "slot_bytes": 64 << 10}  # large messages span slots and wrap the ring
@@ -44,23 +47,23 @@ def identical(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
 
 
-def exchange(transport, rank, peers):
+def exchange(transport, rank, peers, device="cpu"):
     """All receives posted first (in reverse tag order), then all sends: many outstanding each way."""
     received = {p: [None] * len(test_tensors(p)) for p in peers}
     recvs = [(p, i, transport.irecv(p, tag=i)) for p in peers for i in reversed(range(len(received[p])))]
-    sends = [transport.isend(t, p, tag=i) for p in peers for i, t in enumerate(test_tensors(rank))]
+    sends = [transport.isend(t.to(device), p, tag=i) for p in peers for i, t in enumerate(test_tensors(rank))]
     # One tag, many messages: they must arrive in the order sent, interleaved with the tagged ones.
     ordered = {p: [transport.irecv(p, tag=1000) for _ in range(40)] for p in peers}
-    order_sends = [transport.isend(torch.tensor([k, rank]), p, tag=1000) for p in peers for k in range(40)]
+    order_sends = [transport.isend(torch.tensor([k, rank], device=device), p, tag=1000) for p in peers for k in range(40)]
     for p, i, handle in recvs:
-        received[p][i] = handle.wait(timeout=120)
+        received[p][i] = handle.wait(timeout=120).cpu()
     for handle in sends + order_sends:
         handle.wait(timeout=120)
     for p in peers:
         for i, (got, want) in enumerate(zip(received[p], test_tensors(p))):
             assert identical(got, want.contiguous()), f"rank {rank}: message {i} from {p}: {got} != {want}"
             assert got.is_contiguous()
-        order = [h.wait(timeout=120).tolist() for h in ordered[p]]
+        order = [h.wait(timeout=120).cpu().tolist() for h in ordered[p]]
         assert order == [[k, p] for k in range(40)], f"rank {rank}: out of order from {p}: {order}"
     return received
 
@@ -93,6 +96,16 @@ def check_events(events, rank, peers):
     assert {e.nbytes for e in big} == {300_000 * 4}
 
 
+def routed(rank, peers, observer):
+    """--multi-node with two "nodes" of two ranks (--node-ips): shared memory to the rank of this
+    node, torch.distributed to the other two."""
+    flags = argparse.Namespace(device="cpu", multi_node=True, node_ips="127.0.0.1,127.0.0.2", workload=None)
+    transport = create_transport(flags, peers, observer=observer)
+    kinds = {peer: type(transport.routes[peer]) for peer in peers}
+    assert kinds == {p: NodeTransport if p // 2 == rank // 2 else DistributedTransport for p in peers}, kinds
+    return transport
+
+
 def run_exchange(rank, world):
     peers = [p for p in range(world) if p != rank]
     gloo = gloo_exchange(rank, peers)
@@ -100,6 +113,7 @@ def run_exchange(rank, world):
         "shared memory": lambda observer: shared_memory_transport(rank, peers, name="exchange", observer=observer,
                                                                   workload=16 << 10, **SMALL_RING),
         "torch.distributed": lambda observer: distributed_transport(rank, peers, observer=observer),
+        "routed (--multi-node)": lambda observer: routed(rank, peers, observer),
     }
     for kind, make in factories.items():
         events = []
@@ -109,6 +123,18 @@ def run_exchange(rank, world):
         for (p, i), want in gloo.items():
             assert identical(received[p][i], want), f"{kind}: message {i} from {p} differs from gloo's"
         print(f"rank {rank}: {kind} exchange matches gloo", flush=True)
+
+
+def run_cuda_ipc(rank, world):
+    """Processes that may share one GPU: GPU tensors over CUDA IPC, same checks as over shared memory."""
+    peers = [p for p in range(world) if p != rank]
+    device = rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    events = []
+    with cuda_ipc_transport(rank, peers, device=device, name="cuda", observer=events.append, **SMALL_RING) as transport:
+        exchange(transport, rank, peers, device=f"cuda:{device}")
+    check_events(events, rank, peers)
+    print(f"rank {rank}: CUDA IPC exchange on cuda:{device} matches", flush=True)
 
 
 def run_sigkill(rank, out_dir):
@@ -133,13 +159,15 @@ def run_too_small(rank, world):
 @exit_on_user_error
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["exchange", "sigkill", "too-small"])
+    parser.add_argument("scenario", choices=["exchange", "cuda-ipc", "sigkill", "too-small"])
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.scenario == "exchange":
         run_exchange(rank, world)
+    elif args.scenario == "cuda-ipc":
+        run_cuda_ipc(rank, world)
     elif args.scenario == "sigkill":
         run_sigkill(rank, args.out_dir)
     else:

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -14,6 +15,17 @@
 #include "shm_ring.h"
 
 namespace megadpp {
+
+struct Request;
+
+// A channel that can make progress on the caller's thread: a waiting caller drains the ring itself
+// instead of waiting for the channel thread to be scheduled (on a loaded machine that hand-over,
+// a cross-process wake-up, costs far more than the copy).
+struct Progress {
+  virtual ~Progress() = default;
+  virtual void poll() = 0;
+  virtual bool wait(Request& request, double timeout_s) = 0;
+};
 
 struct Request {
   explicit Request(int64_t tag_) : tag(tag_), start_ns(monotonic_ns()) {}
@@ -25,8 +37,20 @@ struct Request {
   uint64_t nbytes = 0;
   at::Tensor tensor;  // sent (contiguous) or received; read only after done
   std::string error;  // set instead of the tensor when the transfer failed
+  std::weak_ptr<Progress> progress;  // the channel that can drive this request, while it exists
 
   bool is_completed() const { return done_.load(std::memory_order_acquire); }
+
+  // What Python calls: let the channel progress on this thread, then answer.
+  bool poll() {
+    if (!is_completed())
+      if (auto channel = progress.lock()) channel->poll();
+    return is_completed();
+  }
+  bool wait_progressing(double timeout_s) {
+    if (auto channel = progress.lock()) return channel->wait(*this, timeout_s);
+    return wait(timeout_s);
+  }
 
   void complete(std::string failure = "") {
     {
@@ -41,10 +65,7 @@ struct Request {
   // Spin briefly (a small message completes in microseconds), then sleep on the condition variable.
   // timeout_s < 0: no limit. Returns whether the request completed.
   bool wait(double timeout_s) {
-    for (int i = 0; i < 1000; ++i) {
-      if (is_completed()) return true;
-      std::this_thread::yield();
-    }
+    if (spin_for([&] { return is_completed(); })) return true;
     std::unique_lock<std::mutex> lock(mutex_);
     if (timeout_s < 0) {
       cv_.wait(lock, [&] { return is_completed(); });

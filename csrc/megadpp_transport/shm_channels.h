@@ -19,6 +19,8 @@ namespace megadpp {
 
 using RequestPtr = std::shared_ptr<Request>;
 
+constexpr uint64_t kInlineBytes = 64 << 10;  // a send this small, with a slot free, is copied by the caller
+
 inline void describe(SlotHeader* h, const at::Tensor& t, uint64_t seq, int64_t tag) {
   h->seq = seq;
   h->tag = tag;
@@ -69,12 +71,18 @@ class SendChannel {
     auto request = std::make_shared<Request>(tag);
     request->tensor = tensor.contiguous();
     request->nbytes = request->tensor.nbytes();
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      check(!stopping_, "megadpp transport: send on a closed transport");
-      request->seq = next_seq_++;
-      queue_.push_back(request);
+    std::unique_lock<std::mutex> lock(mutex_);
+    check(!stopping_, "megadpp transport: send on a closed transport");
+    request->seq = next_seq_++;
+    if (queue_.empty() && !busy_ && request->nbytes <= kInlineBytes && ring_has_room(request->nbytes)) {
+      // A small message with nothing ahead of it and a free slot: copy it now, on the caller's
+      // thread, rather than pay a hand-over to the channel thread (latency of small messages).
+      send(*request);
+      request->complete();
+      return request;
     }
+    queue_.push_back(request);
+    lock.unlock();
     cv_.notify_one();
     return request;
   }
@@ -103,14 +111,23 @@ class SendChannel {
         cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
         if (stopping_) return;
         request = queue_.front();
+        busy_ = true;
       }
       if (!send(*request)) return;  // stopped in the middle: stop() fails what is queued
       {
         std::lock_guard<std::mutex> lock(mutex_);
         queue_.pop_front();
+        busy_ = false;
       }
       request->complete();
     }
+  }
+
+  // Whether the slots that a message of `nbytes` takes are free now (so that sending it cannot block).
+  bool ring_has_room(uint64_t nbytes) const {
+    uint64_t chunks = std::max<uint64_t>(1, (nbytes + ring_.control->slot_bytes - 1) / ring_.control->slot_bytes);
+    uint64_t used = ring_.control->head.load() - ring_.control->tail.load(std::memory_order_acquire);
+    return used + chunks <= ring_.control->slots;
   }
 
   bool send(Request& request) {
@@ -139,6 +156,7 @@ class SendChannel {
   std::condition_variable cv_;
   std::deque<RequestPtr> queue_;
   std::atomic<bool> stopping_{false};
+  bool busy_ = false;  // the channel thread is sending the queue's front
   uint64_t next_seq_ = 0;
 };
 
@@ -185,35 +203,75 @@ class TagMatcher {
 };
 
 // The receiver's end: maps the sender's segment and drains the ring eagerly into fresh tensors, so a
-// sender never waits on the receiver's program order, only on the ring's capacity.
-class RecvChannel {
+// sender never waits on the receiver's program order, only on the ring's capacity. Whoever gets there
+// first drains: the channel thread, or a caller that polls or waits.
+class RecvChannel : public Progress, public std::enable_shared_from_this<RecvChannel> {
  public:
   RecvChannel(const std::string& name, CopyPool* pool) : pool_(pool) {
     segment_.open(name);
     ring_.bind(segment_.base());
     check(ring_.control->magic == kMagic && ring_.control->version == kVersion,
-                "megadpp transport: /dev/shm", name, " is not a channel of this version");
+          "megadpp transport: /dev/shm", name, " is not a channel of this version");
     ring_.control->attached.store(1, std::memory_order_release);
     futex_wake(&ring_.control->attached);
   }
-  ~RecvChannel() { stop(); }
+  ~RecvChannel() override { stop(); }
 
   void start() { thread_ = std::thread([this] { run(); }); }
-  RequestPtr post(int64_t tag) { return matcher_.post(tag); }
+
+  RequestPtr post(int64_t tag) {
+    RequestPtr request = matcher_.post(tag);
+    request->progress = weak_from_this();
+    return request;
+  }
+
+  void poll() override {
+    if (stopping_.load()) return;
+    std::unique_lock<std::mutex> drain(drain_mutex_, std::try_to_lock);
+    if (drain.owns_lock()) drain_published();
+  }
+
+  bool wait(Request& request, double timeout_s) override {
+    int64_t deadline = timeout_s < 0 ? INT64_MAX : monotonic_ns() + int64_t(timeout_s * 1e9);
+    // Wake for a chunk nobody drains yet, or for a message the channel thread completed.
+    auto wake = [&] { return request.is_completed() || (published() && !draining_.load()); };
+    while (!request.is_completed()) {
+      poll();
+      if (request.is_completed()) break;
+      if (!wait_for(&ring_.control->head_word, wake, [&] { return stopping_.load() || monotonic_ns() > deadline; }))
+        return stopping_.load() ? request.wait(1.0) : request.is_completed();  // stop() fails what it leaves
+    }
+    return true;
+  }
 
   void stop() {
     if (stopping_.exchange(true)) return;
     futex_wake(&ring_.control->head_word);
     if (thread_.joinable()) thread_.join();
+    std::lock_guard<std::mutex> drain(drain_mutex_);
     if (current_) current_->complete("megadpp transport: closed in the middle of a receive");
     matcher_.fail_posted("megadpp transport: closed before the message arrived");
   }
 
  private:
+  bool published() const {
+    return ring_.control->head.load(std::memory_order_acquire) > ring_.control->tail.load(std::memory_order_relaxed);
+  }
+
   void run() {
     auto stop = [&] { return stopping_.load() || ring_.control->closed.load(std::memory_order_acquire) != 0; };
-    uint64_t index;
-    while (ring_.next(&index, stop)) {
+    while (wait_for(&ring_.control->head_word, [&] { return published(); }, stop)) {
+      std::lock_guard<std::mutex> drain(drain_mutex_);
+      drain_published();
+    }
+  }
+
+  // Copy out every published chunk; the caller holds drain_mutex_.
+  void drain_published() {
+    draining_.store(true);
+    bool completed = false;
+    while (published()) {
+      uint64_t index = ring_.control->tail.load(std::memory_order_relaxed);
       const SlotHeader* h = ring_.header(index);
       if (h->offset == 0) {
         current_ = matcher_.arrive(h->tag);
@@ -227,7 +285,13 @@ class RecvChannel {
       if (last) {
         current_->complete();
         current_.reset();
+        completed = true;
       }
+    }
+    draining_.store(false);
+    if (completed) {  // a caller sleeping on the ring for a message just completed here: wake it
+      ring_.control->head_word.fetch_add(1, std::memory_order_release);
+      futex_wake(&ring_.control->head_word);
     }
   }
 
@@ -236,6 +300,8 @@ class RecvChannel {
   CopyPool* pool_;
   TagMatcher matcher_;
   RequestPtr current_;
+  std::mutex drain_mutex_;
+  std::atomic<bool> draining_{false};
   std::thread thread_;
   std::atomic<bool> stopping_{false};
 };

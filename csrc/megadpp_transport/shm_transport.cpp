@@ -1,10 +1,9 @@
 // The shared-memory transport of one rank: a SendChannel to every peer, a RecvChannel from every
 // peer, one copy pool; and its Python binding (module megadpp.transport._shm).
-#include <torch/csrc/utils/pybind.h>
-
 #include <map>
 #include <memory>
 
+#include "request_binding.h"
 #include "shm_channels.h"
 
 namespace megadpp {
@@ -19,7 +18,7 @@ class ShmTransport {
     senders_[peer] = std::make_unique<SendChannel>(name, slots, slot_bytes, &pool_);
   }
   void open_recv_channel(int peer, const std::string& name) {
-    receivers_[peer] = std::make_unique<RecvChannel>(name, &pool_);
+    receivers_[peer] = std::make_shared<RecvChannel>(name, &pool_);
   }
   void await_receivers(double timeout_s) {
     for (auto& [peer, sender] : senders_) sender->await_receiver(timeout_s);
@@ -45,7 +44,7 @@ class ShmTransport {
 
  private:
   template <typename Map>
-  static typename Map::mapped_type::pointer channel(Map& channels, int peer) {
+  static typename Map::mapped_type::element_type* channel(Map& channels, int peer) {
     auto it = channels.find(peer);
     check(it != channels.end(), "megadpp transport: rank ", peer, " is not a peer of this transport");
     return it->second.get();
@@ -53,29 +52,19 @@ class ShmTransport {
 
   CopyPool pool_;  // declared first: destroyed after the channels that use it
   std::map<int, std::unique_ptr<SendChannel>> senders_;
-  std::map<int, std::unique_ptr<RecvChannel>> receivers_;
+  std::map<int, std::shared_ptr<RecvChannel>> receivers_;  // shared: requests hold weak references
 };
 
 }  // namespace megadpp
 
 namespace py = pybind11;
-using megadpp::Request;
 
 PYBIND11_MODULE(_shm, m) {
   m.doc() = "MegaDPP shared-memory tensor transport (see megadpp/transport)";
   m.attr("SEGMENT_HEADER_BYTES") = megadpp::segment_bytes(0, 0);
   m.def("segment_bytes", &megadpp::segment_bytes, "bytes of /dev/shm one channel takes");
 
-  py::class_<Request, std::shared_ptr<Request>>(m, "Request")
-      .def("is_completed", &Request::is_completed)
-      .def("wait", &Request::wait, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
-      .def_readonly("tensor", &Request::tensor)
-      .def_readonly("error", &Request::error)
-      .def_readonly("tag", &Request::tag)
-      .def_readonly("seq", &Request::seq)
-      .def_readonly("nbytes", &Request::nbytes)
-      .def_readonly("start_ns", &Request::start_ns)
-      .def_readonly("end_ns", &Request::end_ns);
+  megadpp::bind_request(m);
 
   using megadpp::ShmTransport;
   py::class_<ShmTransport>(m, "ShmTransport")

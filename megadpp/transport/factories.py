@@ -5,6 +5,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from megadpp.transport import node
 from megadpp.transport.routed import RoutedTransport
 
 DEFAULT_SLOTS = 8
@@ -18,18 +19,17 @@ def shared_memory_transport(rank, peers, *, store=None, name="megadpp", slots=DE
     """Processes of one node. ``peers``: the ranks this rank exchanges with (a channel each way).
     ``store``: a torch.distributed Store for the segment names (default: the default group's);
     ``name`` keeps several transports of one run apart; ``shm_limit_bytes`` caps what may be
-    taken from /dev/shm (default: what is free there)."""
-    from megadpp.transport.shared_memory import SharedMemoryTransport
-
-    return SharedMemoryTransport(rank, peers, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
-                                 workload=workload, shm_limit_bytes=shm_limit_bytes, observer=observer,
-                                 timeout=timeout)
+    taken from /dev/shm (default: what is free there). Collective over ``rank`` and ``peers``."""
+    return node.shared_memory(rank, peers, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
+                              workload=workload, shm_limit_bytes=shm_limit_bytes, observer=observer, timeout=timeout)
 
 
 def cuda_ipc_transport(rank, peers, *, device=None, store=None, name="megadpp", slots=DEFAULT_SLOTS,
-                       slot_bytes=DEFAULT_SLOT_BYTES, observer=None, timeout=300.0):
-    """GPU tensors of processes of one node (may share one GPU)."""
-    raise NotImplementedError("being built on branch dpp-transport")
+                       slot_bytes=DEFAULT_SLOT_BYTES, shm_limit_bytes=None, observer=None, timeout=300.0):
+    """GPU tensors of processes of one node (they may share one GPU); ``device``: this rank's GPU
+    (default: the current one). Options as for ``shared_memory_transport``."""
+    return node.cuda_ipc(rank, peers, device=device, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
+                         shm_limit_bytes=shm_limit_bytes, observer=observer, timeout=timeout)
 
 
 def distributed_transport(rank, peers, *, group=None, device=None, observer=None):
@@ -63,6 +63,8 @@ def create_transport(args, peers, observer=None):
     local = [p for p in peers if p // per_node == rank // per_node and p != rank]
     remote = [p for p in peers if p // per_node != rank // per_node]
     routes = {}
+    if local and getattr(args, "device", "cpu") == "cuda" and not cuda_ipc_available():
+        remote, local = remote + local, []  # the import said the CUDA IPC part is missing: NCCL it is
     if local:
         if getattr(args, "device", "cpu") == "cuda":
             routes.update(dict.fromkeys(local, cuda_ipc_transport(rank, local, observer=observer)))

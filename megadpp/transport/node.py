@@ -1,0 +1,72 @@
+"""Transports between processes of one node, whose channels live in the C++ extension (csrc/): the
+shared-memory one (CPU tensors) and the CUDA IPC one (GPU tensors). Both agree on segment names
+through a torch.distributed Store and unlink every segment once its receiver has it open."""
+
+import weakref
+
+import torch
+
+from megadpp.transport.base import Transport
+from megadpp.transport.native import NativeHandle, TransportSetupError, cuda_ipc_module, shm_module
+from megadpp.transport.rendezvous import channel_key, check_shm_room, default_store, segment_name
+
+MAX_COPY_THREADS = 8
+
+
+def copy_threads_for(slot_bytes, workload):
+    """Threads besides the channel's own that copy one slot: one per ``workload`` bytes."""
+    if workload <= 0:
+        raise TransportSetupError(f"megadpp transport: --workload must be a positive number of bytes (got {workload})")
+    return max(0, min(MAX_COPY_THREADS, -(-slot_bytes // workload)) - 1)
+
+
+class NodeTransport(Transport):
+    """``native``: a ShmTransport or CudaIpcTransport of the extension; ``segment_bytes``: what one
+    channel takes of /dev/shm."""
+
+    def __init__(self, native, segment_bytes, rank, peers, *, store, name, slots, slot_bytes, shm_limit_bytes,
+                 observer, timeout):
+        self.rank = rank
+        self.peers = sorted(set(peers) - {rank})
+        self.observer = observer
+        check_shm_room(len(self.peers) * segment_bytes, len(self.peers), shm_limit_bytes)
+        store = store if store is not None else default_store()
+        self._native = native
+        self._closer = weakref.finalize(self, native.close)
+        try:
+            # Every rank creates all its outgoing channels before it opens any incoming one, so the
+            # waits below (for a name, for the receiver to attach) cannot form a cycle.
+            for peer in self.peers:
+                segment = segment_name(rank, peer)
+                native.create_send_channel(peer, segment, slots, slot_bytes)
+                store.set(channel_key(name, rank, peer), segment)
+            for peer in self.peers:
+                native.open_recv_channel(peer, store.get(channel_key(name, peer, rank)).decode())
+            native.await_receivers(timeout)
+        except RuntimeError as error:
+            self.close()
+            raise TransportSetupError(str(error)) from None
+        native.start()
+
+    def isend(self, tensor, peer, tag=0):
+        return NativeHandle(self._native.isend(tensor, peer, tag), "send", peer, self.observer, tensor)
+
+    def irecv(self, peer, tag=0):
+        return NativeHandle(self._native.irecv(peer, tag), "recv", peer, self.observer)
+
+    def close(self):
+        self._closer()
+
+
+def shared_memory(rank, peers, *, slots, slot_bytes, workload, **options):
+    shm = shm_module()
+    native = shm.ShmTransport(workload, copy_threads_for(slot_bytes, workload))
+    return NodeTransport(native, shm.segment_bytes(slots, slot_bytes), rank, peers, slots=slots,
+                         slot_bytes=slot_bytes, **options)
+
+
+def cuda_ipc(rank, peers, *, device, slots, slot_bytes, **options):
+    cuda = cuda_ipc_module()  # first: on a build without CUDA this is the one line to show
+    device = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
+    return NodeTransport(cuda.CudaIpcTransport(device), cuda.segment_bytes(slots), rank, peers, slots=slots,
+                         slot_bytes=slot_bytes, **options)
