@@ -1,0 +1,72 @@
+"""MegaDPP's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megadpp.arguments import add_arguments, any_flag_given, validate_args
+from megadpp.fault_injection import arrival_delay, install_stage_delay
+from megadpp.runtime import DynamicPipelineSchedule
+from megadpp.schedule_log import ScheduleLog
+from megatron.training.training_log import print_rank_0
+
+
+class MegaDPPPlugin:
+    def __init__(self):
+        self.schedule = None
+        self.log = None
+
+    def add_arguments(self, parser):
+        add_arguments(parser)
+
+    def is_enabled(self, args):
+        return any_flag_given(args)
+
+    def validate_args(self, args):
+        validate_args(args)
+
+    def after_setup(self, args, model, optimizer, scheduler):
+        if args.dpp_delay_stage is not None:
+            install_stage_delay(model, args)
+        if not args.use_dpp:
+            return
+        transport, kind = self._transport(args, model)
+        self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None
+        self.schedule = DynamicPipelineSchedule(args.dpp_policy, transport, args.dpp_max_inflight, self.log,
+                                                arrival_delay(args))
+        cap = args.dpp_max_inflight or "what 1F1B holds"
+        print_rank_0(f"MegaDPP: {args.dpp_policy} dynamic pipeline schedule over {kind}, "
+                     f"activation cap per stage: {cap}")
+
+    @staticmethod
+    def _transport(args, model):
+        """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
+        torch.distributed across nodes); with --trace all of it over torch.distributed, where MegaScan
+        records the transfers at the process group."""
+        # Imported here: loading the compiled transport prints what it lacks, which a run without
+        # --use-dpp (or one refused at its flags) must not show.
+        from megadpp.transport import create_transport, distributed_transport
+
+        pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        stage = parallel_state.get_pipeline_model_parallel_rank()
+        peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
+        if args.trace:
+            device = next(model[0].parameters()).device
+            return (distributed_transport(dist.get_rank(), peers, device=device),
+                    f"torch.distributed ({dist.get_backend()}; --trace records its transfers)")
+        local = "CUDA IPC (where built)" if args.device == "cuda" else "shared memory"
+        return create_transport(args, peers), f"{local} within a node" + (
+            ", torch.distributed across nodes" if args.multi_node else "")
+
+    def forward_backward_func(self, args):
+        return self.schedule
+
+    def on_iteration_begin(self, args, iteration):
+        if self.log is not None:
+            self.log.iteration = iteration
+
+    def on_train_end(self, args, iteration):
+        if self.schedule is not None:
+            self.schedule.transport.close()
+        if self.log is not None:
+            self.log.write()
+            print_rank_0(f"MegaDPP: wrote the schedule each rank ran to {args.dpp_log_schedule}")

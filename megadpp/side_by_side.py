@@ -1,0 +1,78 @@
+"""Train the same job from the same start under several pipeline schedules, one after another in one
+launch: megatron-core's static schedule and DPP's policies. The equivalence tests compare what they
+compute; bench/dpp_side_by_side.py compares how long they take.
+
+Each schedule gets a freshly built model, optimizer and data iterators (layout-invariant initialization
+with --use-cpu-initialization makes them equal), and the delays of --dpp-delay-stage. Needs --use-dpp
+(its transport is shared by the DPP schedules) and no --trace (one trace session per job).
+"""
+
+import functools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron.training.errors import ArgumentError
+from megatron.training.model_setup import setup_model_and_optimizer
+from megatron.training.plugins import PluginRegistry
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.training import Trainer, _build_iterators, setup_job
+
+from megadpp.fault_injection import install_stage_delay
+from megadpp.runtime import DynamicPipelineSchedule
+
+STATIC = "static"
+
+
+@dataclass
+class ScheduleRun:
+    name: str
+    losses: list = field(default_factory=list)  # per iteration: {name: float} (last pipeline stage only)
+    seconds: list = field(default_factory=list)  # per iteration, this rank's wall time of the train step
+    weights: torch.Tensor = None  # this rank's parameters after the last iteration, flattened
+
+
+def parse_schedule(spec):
+    """``static``, ``<policy>`` or ``<policy>:<activation cap>``."""
+    policy, _, cap = spec.partition(":")
+    return policy, int(cap) if cap else None
+
+
+def setup(argv, entry):
+    """Set the job up once (process groups, DPP transport) through the real entry point's providers."""
+    job = setup_job(argv, prog=entry.__name__, model_provider=entry.model_provider,
+                    dataset_provider=entry.dataset_provider, forward_step_func=entry.forward_step)
+    if not job.args.use_dpp or job.args.trace:
+        raise ArgumentError("side-by-side runs need --use-dpp (for its transport) and no --trace")
+    return job
+
+
+def run_schedule(job, entry, spec, iterations, schedule_log=None):
+    import megadpp
+
+    args = job.args
+    model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(entry.model_provider, args))
+    if args.dpp_delay_stage is not None:
+        install_stage_delay(model, args)
+    iterators = _build_iterators(args, entry.dataset_provider, build_tokenizer(args), len(model), 0)
+    trainer = Trainer(args, PluginRegistry([]), model, optimizer, scheduler,
+                      functools.partial(entry.forward_step, args))
+    if spec != STATIC:
+        policy, cap = parse_schedule(spec)
+        shared = megadpp.PLUGIN.schedule
+        trainer.forward_backward = DynamicPipelineSchedule(policy, shared.transport, cap or args.dpp_max_inflight,
+                                                           schedule_log, shared.arrival_delay)
+    else:
+        trainer.forward_backward = get_forward_backward_func()
+    run = ScheduleRun(spec)
+    for iteration in range(1, iterations + 1):
+        if schedule_log is not None:
+            schedule_log.iteration = iteration
+        start = time.perf_counter()
+        losses, _, _ = trainer.train_step(iterators[0])
+        run.seconds.append(time.perf_counter() - start)
+        run.losses.append({name: float(value) for name, value in losses.items()})
+    run.weights = torch.cat([p.detach().float().flatten() for chunk in model for p in chunk.parameters()])
+    return run

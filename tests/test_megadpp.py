@@ -1,0 +1,92 @@
+"""MegaDPP's schedule as data, checked without processes: the policies on the simulator (the same code the
+runtime runs) never deadlock, whatever the delays, layout and activation cap, and always produce valid
+torch.distributed.pipelining schedules; the flags refuse bad combinations in one line."""
+
+import concurrent.futures
+import itertools
+import random
+
+import pytest
+from torch.distributed.pipelining.schedules import _Action, _validate_schedule
+
+from launch import TINY_GPT, run_script
+from megadpp.actions import StageLayout
+from megadpp.policy import POLICIES
+from megadpp.runtime import default_caps
+from megadpp.simulator import CostModel, simulate
+from megadpp.static_orders import static_order
+
+
+def _as_torch(orders, stages):
+    return {r: [_Action.from_str(a.to_str(r, stages)) for a in order] for r, order in orders.items()}
+
+
+LAYOUTS = [(stages, chunks, microbatches) for stages, chunks, microbatches
+           in itertools.product((2, 3, 4), (1, 2, 3), (1, 2, 6)) if chunks == 1 or microbatches % stages == 0]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_no_deadlock_and_valid_schedules_under_random_delays(policy):
+    rng = random.Random(0)
+    for (stages, chunks, microbatches), seed in itertools.product(LAYOUTS, range(4)):
+        cost = CostModel(transfer_ms=rng.uniform(0, 2), jitter_ms=rng.uniform(0, 5), seed=seed,
+                         straggler_stage=rng.randrange(stages), straggler_link=rng.randrange(stages),
+                         straggler_ms=rng.uniform(0, 10), straggler_probability=rng.random())
+        caps = default_caps(stages, chunks, microbatches, stages) if seed % 2 else [1 + seed % 3] * stages
+        result = simulate(stages, chunks, microbatches, cost, policy=POLICIES[policy](stages), caps=caps)
+        assert all(len(order) == 2 * chunks * microbatches for order in result.orders.values())
+        _validate_schedule(_as_torch(result.orders, stages), stages, stages * chunks, microbatches)
+        if seed % 2:  # the cap holds, but for the oldest microbatch's own chunks
+            assert result.peak_in_flight <= max(caps) + chunks - 1
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (8, 16)])
+def test_on_time_pipeline_runs_1f1b_order(policy, stages, microbatches):
+    cost = CostModel(transfer_ms=0.05)
+    caps = default_caps(stages, 1, microbatches, stages)
+    result = simulate(stages, 1, microbatches, cost, policy=POLICIES[policy](stages), caps=caps)
+    assert result.orders == {r: static_order(r, stages, 1, microbatches) for r in range(stages)}
+
+
+def test_default_cap_is_what_1f1b_holds():
+    assert default_caps(4, 1, 8, 4) == [4, 3, 2, 1]
+    assert default_caps(4, 1, 2, 4) == [2, 2, 2, 1]
+
+
+def test_stage_layout_neighbours():
+    layout = StageLayout(pp_rank=0, stages=2, chunks=2)
+    assert layout.upstream(1) == (1, 0) and layout.downstream(0) == (1, 0) and layout.upstream(0) is None
+    assert StageLayout(1, 2, 2).downstream(0) == (0, 1) and StageLayout(1, 2, 2).downstream(1) is None
+
+
+MOCK = TINY_GPT + ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
+BAD = {
+    "dpp without a pipeline": ([], "--use-dpp needs --pipeline-model-parallel-size 2 or more (got 1)"),
+    "cap without dpp": (["--dpp-max-inflight", "2"], "--dpp-max-inflight acts on the dynamic pipeline schedule"),
+    "cap below one": (["--pipeline-model-parallel-size", "2", "--dpp-max-inflight", "0"],
+                      "--dpp-max-inflight must be at least 1, got 0"),
+    "delayed stage outside the pipeline": (["--pipeline-model-parallel-size", "2", "--dpp-delay-stage", "2"],
+                                           "--dpp-delay-stage 2 is not a pipeline stage of this job (0..1)"),
+    "bad node address": (["--pipeline-model-parallel-size", "2", "--node-ips", "10.0.0.1,nodeB"],
+                         "--node-ips: 'nodeB' is not an IP address"),
+}
+
+
+@pytest.fixture(scope="module")
+def refused():
+    def run(case):
+        use_dpp = [] if case == "cap without dpp" else ["--use-dpp"]
+        return run_script("pretrain_gpt.py", MOCK + use_dpp + BAD[case][0], env={"WORLD_SIZE": "2"}, timeout=600)
+
+    # Each run spends seconds importing megatron-core: run them side by side.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(BAD)) as pool:
+        return dict(zip(BAD, pool.map(run, BAD)))
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_combination_gives_one_line(case, refused):
+    result, expected = refused[case], BAD[case][1]
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert expected in lines[0], lines[0]
