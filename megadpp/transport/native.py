@@ -2,6 +2,8 @@
 
 import os
 
+import torch  # noqa: F401  first: loads libc10/libtorch, which the CUDA IPC extension links against
+
 from megadpp.transport.base import Handle, TransferEvent
 from megatron.training.errors import UserError
 
@@ -18,11 +20,14 @@ except ImportError as error:  # an install without the build step
 
 try:
     from megadpp.transport import _cuda_ipc
-except ImportError:
+except ImportError as error:
     _cuda_ipc = None
+    # Not built (no CUDA at build time) or built but not loadable here: say which.
+    _CUDA_IPC_MISSING = ("not built (no CUDA at build time)" if isinstance(error, ModuleNotFoundError)
+                         else f"built but not loadable ({error})")
     # One line per node (not per rank), on stdout: stderr carries a failed launch's single error line.
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print("megadpp transport: CUDA IPC part not built (no CUDA at build time); shared memory and "
+        print(f"megadpp transport: CUDA IPC part {_CUDA_IPC_MISSING}; shared memory and "
               "torch.distributed transports only", flush=True)
 
 
@@ -35,8 +40,8 @@ def shm_module():
 
 def cuda_ipc_module():
     if _cuda_ipc is None:
-        raise TransportSetupError("megadpp transport: CUDA IPC was not built into this install (no CUDA at "
-                                  "build time); reinstall on a machine with nvcc, or use the distributed transport")
+        raise TransportSetupError(f"megadpp transport: CUDA IPC is {_CUDA_IPC_MISSING} in this install; "
+                                  "reinstall on a machine with nvcc, or use the distributed transport")
     return _cuda_ipc
 
 
