@@ -18,7 +18,7 @@ from megatron.training.errors import ArgumentError
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.plugins import PluginRegistry
 from megatron.training.tokenizer import build_tokenizer
-from megatron.training.training import Trainer, _build_iterators, setup_job
+from megatron.training.training import Trainer, build_iterators, setup_job
 
 from megadpp.fault_injection import install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
@@ -56,7 +56,7 @@ def run_schedule(job, entry, spec, iterations, schedule_log=None):
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(entry.model_provider, args))
     if args.dpp_delay_stage is not None:
         install_stage_delay(model, args)
-    iterators = _build_iterators(args, entry.dataset_provider, build_tokenizer(args), len(model), 0)
+    iterators = build_iterators(args, entry.dataset_provider, build_tokenizer(args), len(model), 0)
     trainer = Trainer(args, PluginRegistry([]), model, optimizer, scheduler,
                       functools.partial(entry.forward_step, args))
     if spec != STATIC:
