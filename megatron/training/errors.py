@@ -50,7 +50,10 @@ def _print_launch_error(line):
     except ValueError:  # not the main thread: signals cannot be set here
         pass
     if _first_to_fail_on_this_host():
-        print(line, file=sys.stderr, flush=True)
+        # One write: unbuffered (PYTHONUNBUFFERED), print() writes the text and its newline apart, and the
+        # launcher's own lines on the same pipe could land between them.
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
 
 
 def exit_on_user_error(main):
