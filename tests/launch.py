@@ -2,9 +2,11 @@
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -92,6 +94,28 @@ def run_script(script, args, env=None, timeout=120):
 
 
 _ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")
+
+
+def preempted_run(command, marker, timeout=300):
+    """The whole output of ``command`` (a torchrun launch) sent SIGTERM, as a scheduler's preemption does,
+    once a line contains ``marker``; no process is left behind if it fails first."""
+    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    output = []
+    try:
+        deadline = time.time() + timeout
+        for line in launcher.stdout:
+            output.append(line)
+            if marker in line:
+                launcher.send_signal(signal.SIGTERM)
+                break
+            assert time.time() < deadline, "".join(output)
+        output.append(launcher.communicate(timeout=timeout)[0])
+    finally:
+        if launcher.returncode is None:
+            kill_process_tree(launcher.pid)
+            launcher.wait()
+    return "".join(output)
 
 
 def lm_losses(output):

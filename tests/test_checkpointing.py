@@ -1,14 +1,11 @@
 """Checkpoints: resumable at another TP/PP with the losses of an uninterrupted run; SIGTERM saves."""
 
 import os
-import signal
-import subprocess
-import time
 
 import pytest
 
-from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, kill_process_tree, lm_losses,
-                    run_script, torchrun, torchrun_command)
+from launch import (TINY_GPT, assert_succeeded, gpt_data_args, lm_losses,
+                    preempted_run, run_script, torchrun, torchrun_command)
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -49,23 +46,7 @@ def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
     command = torchrun_command(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
         "--train-iters", "10000", "--tensor-model-parallel-size", "2", "--save", save,
         "--num-workers", "2"])  # loader workers must survive the signal too
-    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    output = []
-    try:
-        deadline = time.time() + 300
-        for line in launcher.stdout:
-            output.append(line)
-            if "iteration        3/" in line:
-                launcher.send_signal(signal.SIGTERM)  # as a scheduler's preemption does
-                break
-            assert time.time() < deadline, "".join(output)
-        output.append(launcher.communicate(timeout=300)[0])
-    finally:
-        if launcher.returncode is None:  # failed before the job ended: leave no worker behind
-            kill_process_tree(launcher.pid)
-            launcher.wait()
-    log = "".join(output)
+    log = preempted_run(command, "iteration        3/")
     assert "SIGTERM received: stopping at iteration" in log, log[-3000:]
     saved = int((save / TRACKER).read_text())
     assert 3 <= saved < 10000

@@ -9,16 +9,14 @@ import concurrent.futures
 import functools
 import json
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, kill_process_tree, lm_losses,
-                    run_script, torchrun, torchrun_command)
+from launch import (REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses,
+                    preempted_run, run_script, torchrun, torchrun_command)
 from megafbd.layout import BACKWARD, FORWARD, InstanceLayout
 from megafbd.weight_sync import checksum
 
@@ -141,23 +139,7 @@ def test_staleness_1_trains_and_sigterm_stops_both_kinds_with_a_checkpoint(runs,
     command = torchrun_command(4, "pretrain_gpt.py", TINY_GPT + gpt_data_args(runs["data"]) + RECOMPUTE + FBD + [
         "--fbd-weight-staleness", "1", "--pipeline-model-parallel-size", "2", "--train-iters", "10000",
         "--save", str(save)])
-    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-    output = []
-    try:
-        deadline = time.time() + 300
-        for line in launcher.stdout:
-            output.append(line)
-            if "iteration        8/" in line:
-                launcher.send_signal(signal.SIGTERM)  # as a scheduler's preemption does
-                break
-            assert time.time() < deadline, "".join(output)
-        output.append(launcher.communicate(timeout=300)[0])
-    finally:
-        if launcher.returncode is None:
-            kill_process_tree(launcher.pid)
-            launcher.wait()
-    log = "".join(output)
+    log = preempted_run(command, "iteration        8/")
     assert "SIGTERM received: stopping at iteration" in log, log[-3000:]
     losses = lm_losses(log)
     assert max(losses[i] for i in (6, 7, 8)) < losses[1] - 0.3, losses
