@@ -86,8 +86,11 @@ class StreamingTorchDistSaveStrategy(SaveShardedStrategy):
             if is_main_replica(item.replica_id):
                 key = item.unique_key if isinstance(item, ShardedObject) else item.key
                 grouped.setdefault(key, []).append(item)
+        # One file per item: PyTorch's writer keeps each tensor of a file (the last one of each key)
+        # until it closes the file, so a single file would hold the embedding and the output layer
+        # (and, where their shard's pages back them, those pages) to the end.
         # No copy-ahead: with it (the default where CUDA is present) the writer resolves items
         # ahead, smallest first, instead of one at a time in the plan's order.
-        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
+        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=False, thread_count=1, per_thread_copy_ahead=0)
         dcp_save(mcore_to_pyt_state_dict(grouped, is_loading=False), storage_writer=writer,
                  planner=_ProducingPlanner(self.produce, self.order))
