@@ -1,8 +1,10 @@
 """megatron-core distributed checkpoint of our GPT -> Hugging Face directory that transformers loads.
 
 The model's config is the Hugging Face config.json the forward conversion keeps in ``<load-dir>/hf``
-(or ``--hf-config-dir`` for a checkpoint trained from it elsewhere). Layers are loaded one at a time
-(dist_checkpointing loads any part of a checkpoint) and written out in safetensors shards.
+(or ``--hf-config-dir`` for a checkpoint trained from it elsewhere). Each tensor is loaded right before
+it is written (dist_checkpointing loads any part of a checkpoint): the embedding, one layer at a time,
+then the final norm and the output layer; a written shard's tensors are freed. Peak host memory: one
+output shard plus one layer, or twice the tensor being read (DCP's reader loads it whole, then copies).
 """
 
 import json
@@ -15,6 +17,7 @@ from safetensors.torch import save_file
 
 import core_layout
 import llama_tensors
+from host_memory import return_freed_memory
 from llama_config import llama_shape, read_config
 from megatron.training.checkpointing import checkpoint_dir, read_tracker
 from megatron.training.errors import UserError
@@ -51,6 +54,7 @@ class ShardWriter:
         self.weight_map.update(dict.fromkeys(self.buffer, file_name))
         self.total_bytes += self.buffer_bytes
         self.buffer, self.buffer_bytes = {}, 0
+        return_freed_memory()  # the file's smaller tensors: not left as holes in the heap
 
     def close(self):
         self.flush()
