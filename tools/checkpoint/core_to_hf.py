@@ -4,7 +4,8 @@ The model's config is the Hugging Face config.json the forward conversion keeps 
 (or ``--hf-config-dir`` for a checkpoint trained from it elsewhere). Each tensor is loaded right before
 it is written (dist_checkpointing loads any part of a checkpoint): the embedding, one layer at a time,
 then the final norm and the output layer; a written shard's tensors are freed. Peak host memory: one
-output shard plus one layer, or twice the tensor being read (DCP's reader loads it whole, then copies).
+output shard plus one layer, or plus the tensor being read where that is larger (DCP's reader loads a
+stored tensor whole, then copies it into ours).
 """
 
 import json
