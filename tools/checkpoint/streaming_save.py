@@ -16,6 +16,7 @@ DCP's ``.metadata``), so ``dist_checkpointing.load`` reads it at any TP/PP.
 """
 
 import dataclasses
+import os
 from typing import Callable
 
 import torch
@@ -92,6 +93,23 @@ class StreamingTorchDistSaveStrategy(SaveShardedStrategy):
         # single file the embedding and the output layer stayed in memory to the end.
         # No copy-ahead: with it (the default where CUDA is present) the writer resolves items
         # ahead, smallest first, instead of one at a time in the plan's order.
-        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=False, thread_count=1, per_thread_copy_ahead=0)
+        # Synced once at the end, not each file as it closes: the kernel writes the files back while the
+        # next tensors are read, and the checkpoint is as durable when ``save`` returns.
+        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=False, thread_count=1, per_thread_copy_ahead=0,
+                                  sync_files=False)
         dcp_save(mcore_to_pyt_state_dict(grouped, is_loading=False), storage_writer=writer,
                  planner=_ProducingPlanner(self.produce, self.order))
+        _sync_folder(checkpoint_dir)
+
+
+def _sync_folder(folder):
+    """fsync every file directly in ``folder`` (what the writer wrote there) and the folder itself."""
+    for entry in os.scandir(folder):
+        if entry.is_file():
+            with open(entry.path, "rb") as f:
+                os.fsync(f.fileno())
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
