@@ -13,7 +13,7 @@ def add_arguments(parser):
     group.add_argument("--use-dpp", action="store_true",
                        help="run each pipeline stage's next ready (microbatch, chunk) task instead of a static "
                             "1F1B order (megadpp); needs --pipeline-model-parallel-size 2 or more")
-    group.add_argument("--dpp-policy", choices=sorted(POLICIES), default="depth-first",
+    group.add_argument("--dpp-policy", choices=POLICIES, default="depth-first",
                        help="which ready task runs first: depth-first pushes a microbatch through later chunks "
                             "(less activation memory), breadth-first runs more microbatches on one chunk")
     group.add_argument("--dpp-max-inflight", type=int, default=None,

@@ -27,7 +27,7 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config, get_model_type
 
 from megadpp.actions import BACKWARD, FORWARD, Action, StageLayout, peak_in_flight
-from megadpp.policy import POLICIES
+from megadpp.policy import StaticFirstPolicy
 from megadpp.progress import StageProgress
 from megadpp.static_orders import static_order
 
@@ -139,7 +139,8 @@ class _Iteration:
         group_size = config.microbatch_group_size_per_vp_stage or stages
         cap = schedule.max_in_flight or default_caps(stages, len(model), microbatches, group_size)[self.layout.pp_rank]
         self.progress = StageProgress(self.layout, microbatches, cap, forward_only)
-        self.choose = POLICIES[schedule.policy_name](stages)
+        self.policy = StaticFirstPolicy(schedule.policy_name, self.layout, microbatches, group_size)
+        self.free_since = time.monotonic()  # when the latest action ended: the policy's patience counts from it
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_leader = parallel_state.get_tensor_model_parallel_src_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -161,7 +162,10 @@ class _Iteration:
             while not self.progress.done():
                 action = self._next_action()
                 self.progress.record(action)
+                started = time.monotonic()
                 (self._forward if action.kind == FORWARD else self._backward)(action)
+                self.free_since = time.monotonic()
+                self.policy.ran(self.free_since - started)
         for handle in self.sends:
             self._wait(handle)
         if self.schedule.schedule_log is not None:
@@ -179,15 +183,18 @@ class _Iteration:
             return self.layout.is_first(action.chunk) or self.inbox.has(FORWARD, action.chunk)
         return self.layout.is_last(action.chunk) or self.inbox.has(BACKWARD, action.chunk)
 
-    def _ready(self):
+    def _choice(self):
+        """The policy's answer now: an action, or None while nothing (it wants to run) is ready."""
         self.inbox.poll()
-        return [a for a in self.progress.candidates() if self._arrived(a)]
+        candidates = self.progress.candidates()
+        ready = [a for a in candidates if self._arrived(a)]
+        return self.policy.choose(ready, candidates, self.free_since, time.monotonic())
 
     def _next_action(self):
         if self.tp_size == 1:
-            return self._wait_until(lambda: (ready := self._ready()) and self.choose(ready))
+            return self._wait_until(self._choice)
         if dist.get_rank() == self.tp_leader:
-            action = self._wait_until(lambda: (ready := self._ready()) and self.choose(ready))
+            action = self._wait_until(self._choice)
             decision = torch.tensor([_KINDS.index(action.kind), action.chunk, action.microbatch],
                                     dtype=torch.long, device=self.device)
         else:
