@@ -40,22 +40,30 @@ class MegaDPPPlugin:
     @staticmethod
     def _transport(args, model):
         """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
-        torch.distributed across nodes); with --trace all of it over torch.distributed, where MegaScan
-        records the transfers at the process group."""
+        torch.distributed across nodes). With --trace on CPU the transport reports each transfer to
+        MegaScan (its times are host clock readings, MegaScan's marks there); on GPUs, where MegaScan
+        marks with CUDA events, the transfers go over torch.distributed, where MegaScan records them."""
         # Imported here: loading the compiled transport prints what it lacks, which a run without
         # --use-dpp (or one refused at its flags) must not show.
         from megadpp.transport import create_transport, distributed_transport
 
-        pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        pipeline = dist.get_process_group_ranks(pp_group)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
-        if args.trace:
+        if args.trace and args.device == "cuda":
             device = next(model[0].parameters()).device
             return (distributed_transport(dist.get_rank(), peers, device=device),
                     f"torch.distributed ({dist.get_backend()}; --trace records its transfers)")
+        observer = None
+        if args.trace:
+            import megascan
+
+            observer = megascan.PLUGIN.session.transfer_reporter(f"megadpp-{pp_group.group_name}", pipeline, "pp")
         local = "CUDA IPC (where built)" if args.device == "cuda" else "shared memory"
-        return create_transport(args, peers), f"{local} within a node" + (
-            ", torch.distributed across nodes" if args.multi_node else "")
+        traced = "; --trace records its transfers" if observer else ""
+        return create_transport(args, peers, observer=observer), f"{local} within a node" + (
+            ", torch.distributed across nodes" if args.multi_node else "") + traced
 
     def forward_backward_func(self, args):
         return self.schedule

@@ -32,6 +32,7 @@ from megadpp.progress import StageProgress
 from megadpp.static_orders import static_order
 
 _KINDS = (FORWARD, BACKWARD)
+_KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward"}  # a message's phase: "forward-send", ... (megatron's)
 _IDLE_SLEEP_S = (20e-6, 1e-3)  # back-off while nothing is ready: from, to
 
 
@@ -46,7 +47,7 @@ class _Inbox:
     """One posted receive per incoming channel, and what has arrived on it, in microbatch order."""
 
     def __init__(self, transport, layout, pipeline_ranks, microbatches, forward_only, delay):
-        self.transport, self.layout = transport, layout
+        self.transport, self.layout, self.microbatches = transport, layout, microbatches
         self.delay = delay  # (kind, chunk, microbatch, sending pp rank) -> seconds a message stays unseen
         self.received = {}  # (kind, chunk) -> how many messages have arrived
         self.pipeline_ranks = pipeline_ranks
@@ -68,10 +69,12 @@ class _Inbox:
         kind, chunk = key
         if self.remaining[key] == 0:
             return
+        microbatch = self.microbatches - self.remaining[key]  # each stream carries its microbatches in order
         self.remaining[key] -= 1
         peer_rank, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
-        self.pending[key] = self.transport.irecv(self.pipeline_ranks[peer_rank],
-                                                 tag=channel_of(kind, chunk, self.layout.chunks))
+        handle = self.transport.irecv(self.pipeline_ranks[peer_rank], tag=channel_of(kind, chunk, self.layout.chunks))
+        handle.label = (f"{_KIND_NAMES[kind]}-recv", microbatch, chunk)
+        self.pending[key] = handle
 
     def poll(self):
         for key, handle in list(self.pending.items()):
@@ -234,7 +237,7 @@ class _Iteration:
             is_last_stage=self.layout.is_last(chunk))
         self.total_tokens += tokens
         if not self.layout.is_last(chunk):
-            self._send(FORWARD, output.detach(), *self.layout.downstream(chunk))
+            self._send(action, output.detach(), *self.layout.downstream(chunk))
         if not self.forward_only:
             self.stash[(chunk, m)] = (input_tensor, output)
             deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
@@ -245,11 +248,14 @@ class _Iteration:
         output_grad = None if self.layout.is_last(chunk) else self.inbox.take(BACKWARD, chunk)
         input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if not self.layout.is_first(chunk):
-            self._send(BACKWARD, input_grad, *self.layout.upstream(chunk))
+            self._send(action, input_grad, *self.layout.upstream(chunk))
 
-    def _send(self, kind, tensor, peer_rank, peer_chunk):
-        channel = channel_of(kind, peer_chunk, self.layout.chunks)
-        self.sends.append(self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], tag=channel))
+    def _send(self, action, tensor, peer_rank, peer_chunk):
+        """Send what ``action`` produced to the chunk that takes it."""
+        channel = channel_of(action.kind, peer_chunk, self.layout.chunks)
+        handle = self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], tag=channel)
+        handle.label = (f"{_KIND_NAMES[action.kind]}-send", action.microbatch, action.chunk)
+        self.sends.append(handle)
 
     # -- gradient and parameter synchronisation (as megatron-core's interleaved schedule) ---------------
 
