@@ -31,7 +31,8 @@ def add_arguments(parser):
                        help="(testing) pipeline stage whose forwards sleep --dpp-delay-ms, per microbatch "
                             "(any schedule, --device cpu)")
     group.add_argument("--dpp-delay-link", type=int, default=None,
-                       help="(testing) transfers sent by this pipeline stage arrive --dpp-delay-ms late (--use-dpp)")
+                       help="(testing) transfers sent by this pipeline stage take --dpp-delay-ms longer (any schedule: "
+                            "DPP's receiver holds them back, a static schedule's sender waits)")
     group.add_argument("--dpp-delay-ms", type=float, default=30.0,
                        help="(testing) the delay of --dpp-delay-stage / --dpp-delay-link, in milliseconds")
     group.add_argument("--dpp-delay-probability", type=float, default=1.0,
@@ -64,7 +65,6 @@ def validate_args(args):
     else:
         for flag, value in (("--dpp-max-inflight", args.dpp_max_inflight),
                             ("--dpp-log-schedule", args.dpp_log_schedule),
-                            ("--dpp-delay-link", args.dpp_delay_link),
                             ("--dpp-jitter-ms", args.dpp_jitter_ms or None)):
             _require(value is None, f"{flag} acts on the dynamic pipeline schedule: add --use-dpp")
     if args.dpp_log_schedule:

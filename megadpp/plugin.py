@@ -2,9 +2,11 @@
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_model_config
 
 from megadpp.arguments import add_arguments, any_flag_given, validate_args
-from megadpp.fault_injection import arrival_delay, install_stage_delay
+from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
 from megatron.training.training_log import print_rank_0
@@ -28,6 +30,9 @@ class MegaDPPPlugin:
         if args.dpp_delay_stage is not None:
             install_stage_delay(model, args)
         if not args.use_dpp:
+            if args.dpp_delay_link is not None:  # the static schedule's sends (fault_injection.py)
+                StaticLinkDelay(args, len(model), get_num_microbatches(),
+                                get_model_config(model[0]).microbatch_group_size_per_vp_stage).install()
             return
         transport, kind = self._transport(args, model)
         self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None

@@ -48,7 +48,7 @@ class _Inbox:
 
     def __init__(self, transport, layout, pipeline_ranks, microbatches, forward_only, delay):
         self.transport, self.layout, self.microbatches = transport, layout, microbatches
-        self.delay = delay  # (kind, chunk, microbatch, sending pp rank) -> seconds a message stays unseen
+        self.delay = delay  # (kind, sender's chunk, microbatch, sending pp rank) -> seconds a message stays unseen
         self.received = {}  # (kind, chunk) -> how many messages have arrived
         self.pipeline_ranks = pipeline_ranks
         self.arrived = {}
@@ -80,18 +80,18 @@ class _Inbox:
         for key, handle in list(self.pending.items()):
             if handle.is_completed():
                 del self.pending[key]
-                visible_at = time.monotonic()
+                visible_at = handle.end_ns / 1e9  # when it arrived (perf_counter), however late this poll
                 if self.delay is not None:
                     kind, chunk = key
-                    sender, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
-                    visible_at += self.delay(kind, chunk, self.received[key], sender)
+                    sender, sender_chunk = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
+                    visible_at += self.delay(kind, sender_chunk, self.received[key], sender)
                 self.received[key] += 1
                 self.arrived[key].append((visible_at, handle.wait()))
                 self._post(key)
 
     def has(self, kind, chunk):
         queue = self.arrived[(kind, chunk)]
-        return bool(queue) and queue[0][0] <= time.monotonic()
+        return bool(queue) and queue[0][0] <= time.perf_counter()
 
     def take(self, kind, chunk):
         return self.arrived[(kind, chunk)].popleft()[1]

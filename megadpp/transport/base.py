@@ -26,6 +26,11 @@ class Handle(abc.ABC):
     def is_completed(self) -> bool:
         """Whether the transfer is done; never blocks."""
 
+    @property
+    @abc.abstractmethod
+    def end_ns(self) -> int:
+        """When the transfer completed (time.perf_counter_ns clock); meaningful once it has."""
+
     @abc.abstractmethod
     def wait(self, timeout=None):
         """Block until done and return the tensor (received, or the one sent). ``timeout`` in seconds:

@@ -70,6 +70,10 @@ class DistributedHandle(Handle):
         self._finish()
         return True
 
+    @property
+    def end_ns(self):
+        return self._transfer.end_ns
+
     def wait(self, timeout=None):
         if not self._transfer.done.wait(timeout):
             raise TimeoutError(f"megadpp transport: {self._op} with rank {self._peer} "

@@ -64,6 +64,10 @@ class NativeHandle(Handle):
         self._finish()
         return True
 
+    @property
+    def end_ns(self):
+        return self._request.end_ns
+
     def wait(self, timeout=None):
         if not self._request.wait(-1.0 if timeout is None else float(timeout)):
             raise TimeoutError(f"megadpp transport: {self._op} with rank {self._peer} (tag {self._request.tag}) "
