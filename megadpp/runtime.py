@@ -191,7 +191,8 @@ class _Iteration:
         self.inbox.poll()
         candidates = self.progress.candidates()
         ready = [a for a in candidates if self._arrived(a)]
-        return self.policy.choose(ready, candidates, self.free_since, time.monotonic())
+        return self.policy.choose(ready, candidates, self.progress.oldest_unfinished(), self.free_since,
+                                  time.monotonic())
 
     def _next_action(self):
         if self.tp_size == 1:

@@ -95,7 +95,7 @@ class _DynamicRank:
         moments = sorted({max(free_at, arrived) for arrived, _ in known} | ({deadline} if known else set()))
         for moment in moments:
             ready = [a for arrived, a in known if arrived <= moment]
-            action = self.policy.choose(ready, candidates, free_at, moment)
+            action = self.policy.choose(ready, candidates, self.progress.oldest_unfinished(), free_at, moment)
             if action is not None:
                 return moment, action
         return None

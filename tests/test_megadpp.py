@@ -4,7 +4,10 @@ torch.distributed.pipelining schedules; the flags refuse bad combinations in one
 
 import concurrent.futures
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
@@ -65,6 +68,15 @@ def test_late_input_makes_the_rank_deviate(policy):
                       caps=default_caps(stages, chunks, microbatches, stages))
     assert result.orders != static
     assert result.makespan_ms < simulate(stages, chunks, microbatches, cost, static_orders=static).makespan_ms
+
+
+def test_fault_injection_draws_agree_across_processes():
+    """A slow link's delays are drawn by the sender under a static schedule and by the receiver under DPP:
+    every process must draw the same, whatever its str hash seed."""
+    code = "from megadpp.fault_injection import _Draws; print([_Draws(7)(1, 'F', c, m) for c in (0, 1) for m in range(4)])"
+    outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
+                              capture_output=True, text=True, timeout=300).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1, outputs
 
 
 def test_default_cap_is_what_1f1b_holds():
