@@ -5,9 +5,9 @@ in its cost model's unit): both ask ``choose`` the same questions.
 A pipeline rank follows megatron-core's static order (1F1B, or interleaved 1F1B with a virtual pipeline,
 megadpp/static_orders.py) for as long as that order's next action is ready, and so runs exactly that order
 when the pipeline is healthy. It deviates only when that action is late: not ready by its deadline,
-which is as long as a healthy pipeline keeps this rank waiting for it (times ``1 + SLACK``) plus
-``PATIENCE_ACTIONS`` actions, in units of the mean duration of the actions this rank ran so far in the
-iteration. Then it runs the best ready action by its fallback preference among those at most
+which is as long as a healthy pipeline keeps this rank waiting for it (the compute part times
+``1 + SLACK``, each transfer on the way counted as ``TRANSFER_ACTIONS`` actions) plus ``PATIENCE_ACTIONS``
+actions, in units of the mean duration of the actions this rank ran so far in the iteration. Then it runs the best ready action by its fallback preference among those at most
 ``LOOKAHEAD`` places further on in the static order, or of the oldest microbatch it has not finished
 (which the deadlock argument of docs/megadpp.md needs to be runnable).
 
@@ -19,7 +19,7 @@ further on fills the wait without reordering the pipeline.
 Why wait at all: even a healthy static order has gaps (rank 0 of an interleaved pipeline waits for a
 microbatch to go once around the ring before its next chunk). A greedy schedule fills them with a later
 ready action, which cannot be taken back once the awaited input arrives; with a virtual pipeline those
-delays pile up along the critical path (up to 1.4x interleaved 1F1B's time in simulation at PP16). How
+delays pile up along the critical path (up to 1.6x interleaved 1F1B's time in simulation at PP16). How
 long a healthy pipeline waits is read off the static order itself, run on the simulator with unit costs.
 
 The fallbacks, when the static order's next action is late:
@@ -79,7 +79,7 @@ class StaticFirstPolicy:
         return free_since + actions * self.ran_total / self.ran_count
 
     def ran(self, duration):
-        """Tell the policy how long an action took (what its patience scales with)."""
+        """Tell the policy how long an action took (its deadlines scale with the mean)."""
         self.ran_count += 1
         self.ran_total += duration
 

@@ -143,7 +143,7 @@ class _Iteration:
         cap = schedule.max_in_flight or default_caps(stages, len(model), microbatches, group_size)[self.layout.pp_rank]
         self.progress = StageProgress(self.layout, microbatches, cap, forward_only)
         self.policy = StaticFirstPolicy(schedule.policy_name, self.layout, microbatches, group_size)
-        self.free_since = time.monotonic()  # when the latest action ended: the policy's patience counts from it
+        self.free_since = time.monotonic()  # when the latest action ended: the policy's deadline counts from it
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_leader = parallel_state.get_tensor_model_parallel_src_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()

@@ -79,7 +79,7 @@ class _StaticRank:
 
 class _DynamicRank:
     """Asks the policy what the runtime asks it, at the simulated moments the runtime would: when the rank
-    becomes free, when an input arrives, and when its patience for the static order's next action ends."""
+    becomes free, when an input arrives, and when its deadline for the static order's next action passes."""
 
     def __init__(self, progress, policy):
         self.progress, self.policy = progress, policy
