@@ -13,7 +13,7 @@ def add_arguments(parser):
     group.add_argument("--use-dpp", action="store_true",
                        help="run each pipeline stage's next ready (microbatch, chunk) task instead of a static "
                             "1F1B order (megadpp); needs --pipeline-model-parallel-size 2 or more")
-    group.add_argument("--dpp-policy", choices=sorted(POLICIES), default="depth-first",
+    group.add_argument("--dpp-policy", choices=POLICIES, default="depth-first",
                        help="which ready task runs first: depth-first pushes a microbatch through later chunks "
                             "(less activation memory), breadth-first runs more microbatches on one chunk")
     group.add_argument("--dpp-max-inflight", type=int, default=None,
@@ -31,7 +31,8 @@ def add_arguments(parser):
                        help="(testing) pipeline stage whose forwards sleep --dpp-delay-ms, per microbatch "
                             "(any schedule, --device cpu)")
     group.add_argument("--dpp-delay-link", type=int, default=None,
-                       help="(testing) transfers sent by this pipeline stage arrive --dpp-delay-ms late (--use-dpp)")
+                       help="(testing) transfers sent by this pipeline stage take --dpp-delay-ms longer (any schedule: "
+                            "DPP's receiver holds them back, a static schedule's sender waits)")
     group.add_argument("--dpp-delay-ms", type=float, default=30.0,
                        help="(testing) the delay of --dpp-delay-stage / --dpp-delay-link, in milliseconds")
     group.add_argument("--dpp-delay-probability", type=float, default=1.0,
@@ -64,7 +65,6 @@ def validate_args(args):
     else:
         for flag, value in (("--dpp-max-inflight", args.dpp_max_inflight),
                             ("--dpp-log-schedule", args.dpp_log_schedule),
-                            ("--dpp-delay-link", args.dpp_delay_link),
                             ("--dpp-jitter-ms", args.dpp_jitter_ms or None)):
             _require(value is None, f"{flag} acts on the dynamic pipeline schedule: add --use-dpp")
     if args.dpp_log_schedule:

@@ -2,9 +2,11 @@
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.utils import get_model_config
 
 from megadpp.arguments import add_arguments, any_flag_given, validate_args
-from megadpp.fault_injection import arrival_delay, install_stage_delay
+from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
 from megatron.training.training_log import print_rank_0
@@ -28,6 +30,9 @@ class MegaDPPPlugin:
         if args.dpp_delay_stage is not None:
             install_stage_delay(model, args)
         if not args.use_dpp:
+            if args.dpp_delay_link is not None:  # the static schedule's sends (fault_injection.py)
+                StaticLinkDelay(args, len(model), get_num_microbatches(),
+                                get_model_config(model[0]).microbatch_group_size_per_vp_stage).install()
             return
         transport, kind = self._transport(args, model)
         self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None
@@ -40,22 +45,30 @@ class MegaDPPPlugin:
     @staticmethod
     def _transport(args, model):
         """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
-        torch.distributed across nodes); with --trace all of it over torch.distributed, where MegaScan
-        records the transfers at the process group."""
+        torch.distributed across nodes). With --trace on CPU the transport reports each transfer to
+        MegaScan (its times are host clock readings, MegaScan's marks there); on GPUs, where MegaScan
+        marks with CUDA events, the transfers go over torch.distributed, where MegaScan records them."""
         # Imported here: loading the compiled transport prints what it lacks, which a run without
         # --use-dpp (or one refused at its flags) must not show.
         from megadpp.transport import create_transport, distributed_transport
 
-        pipeline = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        pipeline = dist.get_process_group_ranks(pp_group)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
-        if args.trace:
+        if args.trace and args.device == "cuda":
             device = next(model[0].parameters()).device
             return (distributed_transport(dist.get_rank(), peers, device=device),
                     f"torch.distributed ({dist.get_backend()}; --trace records its transfers)")
+        observer = None
+        if args.trace:
+            import megascan
+
+            observer = megascan.PLUGIN.session.transfer_reporter(f"megadpp-{pp_group.group_name}", pipeline, "pp")
         local = "CUDA IPC (where built)" if args.device == "cuda" else "shared memory"
-        return create_transport(args, peers), f"{local} within a node" + (
-            ", torch.distributed across nodes" if args.multi_node else "")
+        traced = "; --trace records its transfers" if observer else ""
+        return create_transport(args, peers, observer=observer), f"{local} within a node" + (
+            ", torch.distributed across nodes" if args.multi_node else "") + traced
 
     def forward_backward_func(self, args):
         return self.schedule

@@ -27,11 +27,12 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.utils import get_model_config, get_model_type
 
 from megadpp.actions import BACKWARD, FORWARD, Action, StageLayout, peak_in_flight
-from megadpp.policy import POLICIES
+from megadpp.policy import StaticFirstPolicy
 from megadpp.progress import StageProgress
 from megadpp.static_orders import static_order
 
 _KINDS = (FORWARD, BACKWARD)
+_KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward"}  # a message's phase: "forward-send", ... (megatron's)
 _IDLE_SLEEP_S = (20e-6, 1e-3)  # back-off while nothing is ready: from, to
 
 
@@ -46,8 +47,8 @@ class _Inbox:
     """One posted receive per incoming channel, and what has arrived on it, in microbatch order."""
 
     def __init__(self, transport, layout, pipeline_ranks, microbatches, forward_only, delay):
-        self.transport, self.layout = transport, layout
-        self.delay = delay  # (kind, chunk, microbatch, sending pp rank) -> seconds a message stays unseen
+        self.transport, self.layout, self.microbatches = transport, layout, microbatches
+        self.delay = delay  # (kind, sender's chunk, microbatch, sending pp rank) -> seconds a message stays unseen
         self.received = {}  # (kind, chunk) -> how many messages have arrived
         self.pipeline_ranks = pipeline_ranks
         self.arrived = {}
@@ -68,27 +69,29 @@ class _Inbox:
         kind, chunk = key
         if self.remaining[key] == 0:
             return
+        microbatch = self.microbatches - self.remaining[key]  # each stream carries its microbatches in order
         self.remaining[key] -= 1
         peer_rank, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
-        self.pending[key] = self.transport.irecv(self.pipeline_ranks[peer_rank],
-                                                 tag=channel_of(kind, chunk, self.layout.chunks))
+        handle = self.transport.irecv(self.pipeline_ranks[peer_rank], tag=channel_of(kind, chunk, self.layout.chunks))
+        handle.label = (f"{_KIND_NAMES[kind]}-recv", microbatch, chunk)
+        self.pending[key] = handle
 
     def poll(self):
         for key, handle in list(self.pending.items()):
             if handle.is_completed():
                 del self.pending[key]
-                visible_at = time.monotonic()
+                visible_at = handle.end_ns / 1e9  # when it arrived (perf_counter), however late this poll
                 if self.delay is not None:
                     kind, chunk = key
-                    sender, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
-                    visible_at += self.delay(kind, chunk, self.received[key], sender)
+                    sender, sender_chunk = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
+                    visible_at += self.delay(kind, sender_chunk, self.received[key], sender)
                 self.received[key] += 1
                 self.arrived[key].append((visible_at, handle.wait()))
                 self._post(key)
 
     def has(self, kind, chunk):
         queue = self.arrived[(kind, chunk)]
-        return bool(queue) and queue[0][0] <= time.monotonic()
+        return bool(queue) and queue[0][0] <= time.perf_counter()
 
     def take(self, kind, chunk):
         return self.arrived[(kind, chunk)].popleft()[1]
@@ -139,7 +142,8 @@ class _Iteration:
         group_size = config.microbatch_group_size_per_vp_stage or stages
         cap = schedule.max_in_flight or default_caps(stages, len(model), microbatches, group_size)[self.layout.pp_rank]
         self.progress = StageProgress(self.layout, microbatches, cap, forward_only)
-        self.choose = POLICIES[schedule.policy_name](stages)
+        self.policy = StaticFirstPolicy(schedule.policy_name, self.layout, microbatches, group_size)
+        self.free_since = time.monotonic()  # when the latest action ended: the policy's deadline counts from it
         self.tp_group = parallel_state.get_tensor_model_parallel_group()
         self.tp_leader = parallel_state.get_tensor_model_parallel_src_rank()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -161,7 +165,10 @@ class _Iteration:
             while not self.progress.done():
                 action = self._next_action()
                 self.progress.record(action)
+                started = time.monotonic()
                 (self._forward if action.kind == FORWARD else self._backward)(action)
+                self.free_since = time.monotonic()
+                self.policy.ran(self.free_since - started)
         for handle in self.sends:
             self._wait(handle)
         if self.schedule.schedule_log is not None:
@@ -179,15 +186,19 @@ class _Iteration:
             return self.layout.is_first(action.chunk) or self.inbox.has(FORWARD, action.chunk)
         return self.layout.is_last(action.chunk) or self.inbox.has(BACKWARD, action.chunk)
 
-    def _ready(self):
+    def _choice(self):
+        """The policy's answer now: an action, or None while nothing (it wants to run) is ready."""
         self.inbox.poll()
-        return [a for a in self.progress.candidates() if self._arrived(a)]
+        candidates = self.progress.candidates()
+        ready = [a for a in candidates if self._arrived(a)]
+        return self.policy.choose(ready, candidates, self.progress.oldest_unfinished(), self.free_since,
+                                  time.monotonic())
 
     def _next_action(self):
         if self.tp_size == 1:
-            return self._wait_until(lambda: (ready := self._ready()) and self.choose(ready))
+            return self._wait_until(self._choice)
         if dist.get_rank() == self.tp_leader:
-            action = self._wait_until(lambda: (ready := self._ready()) and self.choose(ready))
+            action = self._wait_until(self._choice)
             decision = torch.tensor([_KINDS.index(action.kind), action.chunk, action.microbatch],
                                     dtype=torch.long, device=self.device)
         else:
@@ -227,7 +238,7 @@ class _Iteration:
             is_last_stage=self.layout.is_last(chunk))
         self.total_tokens += tokens
         if not self.layout.is_last(chunk):
-            self._send(FORWARD, output.detach(), *self.layout.downstream(chunk))
+            self._send(action, output.detach(), *self.layout.downstream(chunk))
         if not self.forward_only:
             self.stash[(chunk, m)] = (input_tensor, output)
             deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
@@ -238,11 +249,14 @@ class _Iteration:
         output_grad = None if self.layout.is_last(chunk) else self.inbox.take(BACKWARD, chunk)
         input_grad = backward_step(input_tensor, output, output_grad, self.model_type, self.config)
         if not self.layout.is_first(chunk):
-            self._send(BACKWARD, input_grad, *self.layout.upstream(chunk))
+            self._send(action, input_grad, *self.layout.upstream(chunk))
 
-    def _send(self, kind, tensor, peer_rank, peer_chunk):
-        channel = channel_of(kind, peer_chunk, self.layout.chunks)
-        self.sends.append(self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], tag=channel))
+    def _send(self, action, tensor, peer_rank, peer_chunk):
+        """Send what ``action`` produced to the chunk that takes it."""
+        channel = channel_of(action.kind, peer_chunk, self.layout.chunks)
+        handle = self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], tag=channel)
+        handle.label = (f"{_KIND_NAMES[action.kind]}-send", action.microbatch, action.chunk)
+        self.sends.append(handle)
 
     # -- gradient and parameter synchronisation (as megatron-core's interleaved schedule) ---------------
 

@@ -3,7 +3,8 @@ launch: megatron-core's static schedule and DPP's policies. The equivalence test
 compute; bench/dpp_side_by_side.py compares how long they take.
 
 Each schedule gets a freshly built model, optimizer and data iterators (layout-invariant initialization
-with --use-cpu-initialization makes them equal), and the delays of --dpp-delay-stage. Needs --use-dpp
+with --use-cpu-initialization makes them equal), and the delays of --dpp-delay-stage and --dpp-delay-link
+(fault_injection.py: the same draws for every schedule). Needs --use-dpp
 (its transport is shared by the DPP schedules) and no --trace (one trace session per job).
 """
 
@@ -12,7 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.utils import get_model_config
 
 from megatron.training.errors import ArgumentError
 from megatron.training.model_setup import setup_model_and_optimizer
@@ -20,7 +23,7 @@ from megatron.training.plugins import PluginRegistry
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training import Trainer, build_iterators, setup_job
 
-from megadpp.fault_injection import install_stage_delay
+from megadpp.fault_injection import StaticLinkDelay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 
 STATIC = "static"
@@ -64,15 +67,24 @@ def run_schedule(job, entry, spec, iterations, schedule_log=None):
         shared = megadpp.PLUGIN.schedule
         trainer.forward_backward = DynamicPipelineSchedule(policy, shared.transport, cap or args.dpp_max_inflight,
                                                            schedule_log, shared.arrival_delay)
+        link_delay = None  # DPP's receivers hold the slow link's messages back (the plugin's arrival_delay)
     else:
         trainer.forward_backward = get_forward_backward_func()
+        link_delay = StaticLinkDelay(args, len(model), get_num_microbatches(),
+                                     get_model_config(model[0]).microbatch_group_size_per_vp_stage)
     run = ScheduleRun(spec)
-    for iteration in range(1, iterations + 1):
-        if schedule_log is not None:
-            schedule_log.iteration = iteration
-        start = time.perf_counter()
-        losses, _, _ = trainer.train_step(iterators[0])
-        run.seconds.append(time.perf_counter() - start)
-        run.losses.append({name: float(value) for name, value in losses.items()})
+    if link_delay is not None:
+        link_delay.install()
+    try:
+        for iteration in range(1, iterations + 1):
+            if schedule_log is not None:
+                schedule_log.iteration = iteration
+            start = time.perf_counter()
+            losses, _, _ = trainer.train_step(iterators[0])
+            run.seconds.append(time.perf_counter() - start)
+            run.losses.append({name: float(value) for name, value in losses.items()})
+    finally:
+        if link_delay is not None:
+            link_delay.uninstall()
     run.weights = torch.cat([p.detach().float().flatten() for chunk in model for p in chunk.parameters()])
     return run

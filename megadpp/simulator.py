@@ -18,6 +18,7 @@ import random
 from dataclasses import dataclass
 
 from megadpp.actions import BACKWARD, FORWARD, StageLayout, peak_in_flight
+from megadpp.policy import StaticFirstPolicy
 from megadpp.progress import StageProgress
 
 LOSS = "loss"  # the last stage's own "input" to a backward: its forward computed the loss
@@ -72,11 +73,14 @@ class _StaticRank:
         arrived = arrival(action)
         return None if arrived is None else (max(free_at, arrived), action)
 
-    def record(self, action):
+    def record(self, action, duration):
         self.position += 1
 
 
 class _DynamicRank:
+    """Asks the policy what the runtime asks it, at the simulated moments the runtime would: when the rank
+    becomes free, when an input arrives, and when its deadline for the static order's next action passes."""
+
     def __init__(self, progress, policy):
         self.progress, self.policy = progress, policy
 
@@ -84,14 +88,21 @@ class _DynamicRank:
         return self.progress.done()
 
     def next_choice(self, free_at, arrival):
-        known = [(arrived, a) for a in self.progress.candidates() if (arrived := arrival(a)) is not None]
-        if not known:
-            return None
-        start = max(free_at, min(arrived for arrived, _ in known))
-        return start, self.policy([a for arrived, a in known if arrived <= start])
+        candidates = self.progress.candidates()
+        known = sorted((arrived, a) for a in candidates if (arrived := arrival(a)) is not None)
+        deadline = self.policy.deadline(candidates, free_at)
+        # The moments at which the answer can change: each arrival (none before free_at) and the deadline.
+        moments = sorted({max(free_at, arrived) for arrived, _ in known} | ({deadline} if known else set()))
+        for moment in moments:
+            ready = [a for arrived, a in known if arrived <= moment]
+            action = self.policy.choose(ready, candidates, self.progress.oldest_unfinished(), free_at, moment)
+            if action is not None:
+                return moment, action
+        return None
 
-    def record(self, action):
+    def record(self, action, duration):
         self.progress.record(action)
+        self.policy.ran(duration)
 
 
 @dataclass
@@ -99,23 +110,27 @@ class SimulationResult:
     makespan_ms: float
     peak_in_flight: int  # the most activations any rank held at once
     orders: dict  # pp rank -> the actions it ran, in order
+    idle: dict  # pp rank -> how long it was idle before each of those actions
 
 
 def simulate(stages, chunks, microbatches, cost, *, static_orders=None, policy=None, caps=None,
              blocking_sends=None):
-    """Run one iteration either with fixed ``static_orders`` (pp rank -> actions) or with a ``policy``
-    under per-rank activation ``caps``. ``blocking_sends`` defaults to True for static orders."""
+    """Run one iteration either with fixed ``static_orders`` (pp rank -> actions) or with the DPP
+    ``policy`` of that name (megadpp/policy.py) under per-rank activation ``caps``. ``blocking_sends``
+    defaults to True for static orders."""
     blocking_sends = static_orders is not None if blocking_sends is None else blocking_sends
     layouts = [StageLayout(r, stages, chunks) for r in range(stages)]
     if static_orders is not None:
         ranks = [_StaticRank(static_orders[r]) for r in range(stages)]
     else:
-        ranks = [_DynamicRank(StageProgress(layouts[r], microbatches, caps[r]), policy) for r in range(stages)]
+        ranks = [_DynamicRank(StageProgress(layouts[r], microbatches, caps[r]),
+                              StaticFirstPolicy(policy, layouts[r], microbatches)) for r in range(stages)]
     arrivals = {}  # (pp rank, kind, chunk, microbatch) -> when the input of that action is there
     free_at = [0.0] * stages  # None while the rank waits for one of its sends to be received
     last_finish = [0.0] * stages  # when a rank's latest compute ended: it posts its next receives then
     held = {}  # arrivals key -> (sending rank, when the send was posted, transfer time): blocking sends
     orders = {r: [] for r in range(stages)}
+    idle = {r: [] for r in range(stages)}
 
     def complete_held_sends():
         for key in list(held):
@@ -145,9 +160,11 @@ def simulate(stages, chunks, microbatches, cost, *, static_orders=None, policy=N
         if not choices:
             raise RuntimeError("simulated pipeline deadlocked")  # the progress rules make this unreachable
         (start, action), r = min(choices, key=lambda item: (item[0][0], item[1]))
-        finish = start + cost.compute_ms(r, chunks, action)
+        duration = cost.compute_ms(r, chunks, action)
+        finish = start + duration
+        idle[r].append(start - last_finish[r])
         free_at[r] = last_finish[r] = finish
-        ranks[r].record(action)
+        ranks[r].record(action, duration)
         orders[r].append(action)
         key = _message_key(layouts[r], action)
         if key is None:
@@ -159,7 +176,7 @@ def simulate(stages, chunks, microbatches, cost, *, static_orders=None, policy=N
             arrivals[key] = finish + cost.transfer_time_ms(r, action)
     complete_held_sends()
     peak = max(peak_in_flight(order) for order in orders.values())
-    return SimulationResult(max(free_at), peak, orders)
+    return SimulationResult(max(free_at), peak, orders, idle)
 
 
 def _message_key(layout, action):

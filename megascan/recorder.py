@@ -67,12 +67,16 @@ class Recorder:
         ctx = self.context
         self.window.events.append((name, ctx.iteration, ctx.microbatch, ctx.chunk, layer, start, end))
 
-    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype):
-        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter."""
+    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype, seq=None, start=None):
+        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter.
+        A transport that numbers its own messages gives ``seq`` instead, and one that reports a transfer
+        after the fact its ``start`` mark."""
         window, ctx = self.window, self.context
         record = OpRecord()
-        record.seq = self.counters.get(counter_key, 0)
-        self.counters[counter_key] = record.seq + 1
+        if seq is None:
+            seq = self.counters.get(counter_key, 0)
+            self.counters[counter_key] = seq + 1
+        record.seq = seq
         record.op, record.kind, record.group, record.peer = op, kind, group, peer
         record.bytes, record.dtype = nbytes, dtype
         record.iteration, record.microbatch, record.chunk = ctx.iteration, ctx.microbatch, ctx.chunk
@@ -81,12 +85,12 @@ class Recorder:
         record.end = None
         record.window = window
         window.ops.append(record)
-        record.start = self.timer.mark()
+        record.start = self.timer.mark() if start is None else start
         return record
 
-    def end_ops(self, records):
-        """Mark the end of records whose work the rank waited for (only while their window is open)."""
-        end = None
+    def end_ops(self, records, end=None):
+        """Mark the end of records whose work the rank waited for (only while their window is open);
+        ``end``: a mark taken earlier (default: now)."""
         for record in records:
             if record.end is None and record.window.open:
                 if end is None:

@@ -82,6 +82,12 @@ class TraceSession:
         path = os.path.join(args.trace_dir, trace_file_name(**coords))
         return TraceWriter(path, metadata, self.recorder, probe, device_index)
 
+    def transfer_reporter(self, group, ranks, role):
+        """An observer for a transport that bypasses torch.distributed (reported_transfers.py)."""
+        from megascan.reported_transfers import TransferReporter
+
+        return TransferReporter(self.recorder, group, ranks, role)
+
     def wrap_schedule(self, schedule):
         return self.schedule.wrap(schedule)
 

@@ -4,7 +4,10 @@ torch.distributed.pipelining schedules; the flags refuse bad combinations in one
 
 import concurrent.futures
 import itertools
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
@@ -25,7 +28,7 @@ LAYOUTS = [(stages, chunks, microbatches) for stages, chunks, microbatches
            in itertools.product((2, 3, 4), (1, 2, 3), (1, 2, 6)) if chunks == 1 or microbatches % stages == 0]
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize("policy", POLICIES)
 def test_no_deadlock_and_valid_schedules_under_random_delays(policy):
     rng = random.Random(0)
     for (stages, chunks, microbatches), seed in itertools.product(LAYOUTS, range(4)):
@@ -33,20 +36,47 @@ def test_no_deadlock_and_valid_schedules_under_random_delays(policy):
                          straggler_stage=rng.randrange(stages), straggler_link=rng.randrange(stages),
                          straggler_ms=rng.uniform(0, 10), straggler_probability=rng.random())
         caps = default_caps(stages, chunks, microbatches, stages) if seed % 2 else [1 + seed % 3] * stages
-        result = simulate(stages, chunks, microbatches, cost, policy=POLICIES[policy](stages), caps=caps)
+        result = simulate(stages, chunks, microbatches, cost, policy=policy, caps=caps)
         assert all(len(order) == 2 * chunks * microbatches for order in result.orders.values())
         _validate_schedule(_as_torch(result.orders, stages), stages, stages * chunks, microbatches)
         if seed % 2:  # the cap holds, but for the oldest microbatch's own chunks
             assert result.peak_in_flight <= max(caps) + chunks - 1
 
 
-@pytest.mark.parametrize("policy", sorted(POLICIES))
-@pytest.mark.parametrize("stages, microbatches", [(2, 4), (4, 8), (8, 16)])
-def test_on_time_pipeline_runs_1f1b_order(policy, stages, microbatches):
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("stages, chunks, microbatches", [(2, 1, 4), (4, 1, 8), (8, 1, 16), (2, 2, 8), (4, 2, 16),
+                                                          (8, 4, 32), (16, 2, 64)])
+def test_healthy_pipeline_runs_the_static_order_and_is_no_slower(policy, stages, chunks, microbatches):
+    """On time, DPP runs megatron-core's 1F1B / interleaved 1F1B order (the short waits a healthy static
+    order has are not taken for lateness), so it takes at most the static schedule's time."""
     cost = CostModel(transfer_ms=0.05)
-    caps = default_caps(stages, 1, microbatches, stages)
-    result = simulate(stages, 1, microbatches, cost, policy=POLICIES[policy](stages), caps=caps)
-    assert result.orders == {r: static_order(r, stages, 1, microbatches) for r in range(stages)}
+    static = {r: static_order(r, stages, chunks, microbatches) for r in range(stages)}
+    caps = default_caps(stages, chunks, microbatches, stages)
+    result = simulate(stages, chunks, microbatches, cost, policy=policy, caps=caps)
+    assert result.orders == static
+    assert result.makespan_ms <= simulate(stages, chunks, microbatches, cost, static_orders=static).makespan_ms
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_late_input_makes_the_rank_deviate(policy):
+    """A slow link (+3 forward times on every transfer from stage 1) is lateness: the ranks leave the static
+    order and, their sends asynchronous, finish sooner than interleaved 1F1B."""
+    stages, chunks, microbatches = 4, 2, 16
+    cost = CostModel(transfer_ms=0.05, straggler_link=1, straggler_ms=3.0)
+    static = {r: static_order(r, stages, chunks, microbatches) for r in range(stages)}
+    result = simulate(stages, chunks, microbatches, cost, policy=policy,
+                      caps=default_caps(stages, chunks, microbatches, stages))
+    assert result.orders != static
+    assert result.makespan_ms < simulate(stages, chunks, microbatches, cost, static_orders=static).makespan_ms
+
+
+def test_fault_injection_draws_agree_across_processes():
+    """A slow link's delays are drawn by the sender under a static schedule and by the receiver under DPP:
+    every process must draw the same, whatever its str hash seed."""
+    code = "from megadpp.fault_injection import _Draws; print([_Draws(7)(1, 'F', c, m) for c in (0, 1) for m in range(4)])"
+    outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
+                              capture_output=True, text=True, timeout=300).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1, outputs
 
 
 def test_default_cap_is_what_1f1b_holds():

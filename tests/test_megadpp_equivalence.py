@@ -2,7 +2,7 @@
 10 iterations equal those of 1F1B / interleaved 1F1B, for GPT and BERT, at PP4, PP2 x TP2 with sequence
 parallelism and a virtual pipeline, PP2 x DP2 with the distributed optimizer (overlapped reduce and gather)
 and a virtual pipeline, and BERT at PP2; both policies, and an activation cap of 1 that forces orders
-1F1B never runs. Every DPP transfer arrives with a random delay (--dpp-jitter-ms, a different seed per
+1F1B never runs. At PP4 stage 1's link is also slowed (--dpp-delay-link), for the static schedule too. Every DPP transfer arrives with a random delay (--dpp-jitter-ms, a different seed per
 launch), so the runs also check that no order of arrivals deadlocks the schedule.
 
 One torchrun launch per layout runs all its schedules from the same start (tests/dpp_equivalence_entry.py).
@@ -21,8 +21,9 @@ JITTER = ["--use-dpp", "--dpp-jitter-ms", "3"]
 
 # name: (processes, entry, schedules, layout flags)
 LAUNCHES = {
-    "gpt_pp4": (4, "pretrain_gpt", "depth-first,breadth-first,depth-first:1",
-                ["--pipeline-model-parallel-size", "4", "--seed", "11"]),
+    "gpt_pp4": (4, "pretrain_gpt", "depth-first,breadth-first,depth-first:1",  # and a slow link, for all of them
+                ["--pipeline-model-parallel-size", "4", "--seed", "11", "--dpp-delay-link", "1", "--dpp-delay-ms", "5",
+                 "--dpp-delay-probability", "0.5"]),
     "gpt_pp2_tp2_sequence_parallel_virtual": (
         4, "pretrain_gpt", "depth-first,breadth-first",
         ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2", "--sequence-parallel",

@@ -1,7 +1,9 @@
-"""--trace composes with --use-dpp: the DPP transport's transfers are recorded as MegaScan point-to-point
-ops (peer, bytes, sequence, microbatch, chunk), tools/aggregate.py matches every one of them and draws
-their flows, and detection names first the pipeline stage that --inject-slowdown-rank slowed."""
+"""--trace composes with --use-dpp: the shared-memory transport's transfers (they bypass torch.distributed)
+are recorded as MegaScan point-to-point ops (peer, bytes, sequence, microbatch, chunk), tools/aggregate.py
+matches every one of them and draws their flows, and detection names first the pipeline stage that
+--inject-slowdown-rank slowed."""
 
+import collections
 import json
 import subprocess
 import sys
@@ -19,14 +21,20 @@ def test_traced_dpp_run_matches_transfers_and_names_the_slowed_stage(gpt_data, t
         "--trace-dir", trace_dir, "--trace-interval", "3", "--inject-slowdown-rank", "1",
         "--inject-slowdown-factor", "8"], timeout=600)
     assert_succeeded(result)
-    assert "MegaDPP: depth-first dynamic pipeline schedule over torch.distributed" in result.stdout
+    assert ("MegaDPP: depth-first dynamic pipeline schedule over shared memory within a node; "
+            "--trace records its transfers") in result.stdout
 
-    windows = [line for line in read_trace_file(trace_dir / "benchmark-data-0-pipeline-0-tensor-0.json")
-               if line["type"] == "window"]
-    sends = [op for window in windows for op in window["ops"] if op["kind"] == "send"]
-    assert sends and all(op["peer"] == 1 and op["bytes"] > 0 and op["seq"] >= 0 for op in sends)
-    assert {op["microbatch"] for op in sends if op["phase"] != "iteration"} >= {0, 1, 2, 3}
-    assert all(op["chunk"] == 0 for op in sends if op["microbatch"] is not None)
+    for pp_rank, phases in ((0, {"forward-send", "backward-recv"}), (1, {"forward-recv", "backward-send"})):
+        windows = [line for line in read_trace_file(trace_dir / f"benchmark-data-0-pipeline-{pp_rank}-tensor-0.json")
+                   if line["type"] == "window"]
+        transfers = [op for window in windows for op in window["ops"] if op["kind"] in ("send", "recv")]
+        assert {op["phase"] for op in transfers} == phases
+        assert all(op["peer"] == 1 - pp_rank and op["bytes"] > 0 and op["chunk"] == 0 for op in transfers)
+        for phase in phases:  # every microbatch of each traced iteration, numbered by the transport's channel
+            ops = [op for op in transfers if op["phase"] == phase]
+            per_microbatch = collections.Counter(op["microbatch"] for op in ops)
+            assert set(per_microbatch) == {0, 1, 2, 3} and len(set(per_microbatch.values())) == 1, per_microbatch
+            assert len({op["seq"] for op in ops}) == len(ops)
 
     merged = load_and_merge(trace_dir)
     p2p = [i for i in merged.instances if i.kind == "p2p"]

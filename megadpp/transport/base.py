@@ -15,14 +15,21 @@ class TransferEvent:
     tag: int
     start_ns: int    # isend/irecv was called (time.perf_counter_ns clock)
     end_ns: int      # the transfer was seen complete
+    label: object = None  # what the caller set on the handle (the transport itself gives it no meaning)
 
 
 class Handle(abc.ABC):
-    """One outstanding send or receive."""
+    """One outstanding send or receive. ``label``: anything the caller wants its TransferEvent to carry
+    (the schedule: which microbatch and chunk the message belongs to)."""
 
     @abc.abstractmethod
     def is_completed(self) -> bool:
         """Whether the transfer is done; never blocks."""
+
+    @property
+    @abc.abstractmethod
+    def end_ns(self) -> int:
+        """When the transfer completed (time.perf_counter_ns clock); meaningful once it has."""
 
     @abc.abstractmethod
     def wait(self, timeout=None):

@@ -53,7 +53,7 @@ class _Transfer:
 
 
 class DistributedHandle(Handle):
-    __slots__ = ("_transport", "_transfer", "_op", "_peer", "_sent", "_reported")
+    __slots__ = ("_transport", "_transfer", "_op", "_peer", "_sent", "_reported", "label")
 
     def __init__(self, transport, transfer, op, peer, sent=None):
         self._transport = transport
@@ -62,12 +62,17 @@ class DistributedHandle(Handle):
         self._peer = peer
         self._sent = sent
         self._reported = False
+        self.label = None
 
     def is_completed(self):
         if not self._transfer.done.is_set():
             return False
         self._finish()
         return True
+
+    @property
+    def end_ns(self):
+        return self._transfer.end_ns
 
     def wait(self, timeout=None):
         if not self._transfer.done.wait(timeout):
@@ -82,7 +87,7 @@ class DistributedHandle(Handle):
         if not self._reported and self._transport.observer is not None:
             self._reported = True
             self._transport.observer(TransferEvent(self._op, self._peer, transfer.nbytes, transfer.seq,
-                                                   transfer.tag, transfer.start_ns, transfer.end_ns))
+                                                   transfer.tag, transfer.start_ns, transfer.end_ns, self.label))
         return self._sent if self._op == "send" else transfer.tensor
 
 

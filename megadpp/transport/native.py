@@ -48,7 +48,7 @@ def cuda_ipc_module():
 class NativeHandle(Handle):
     """A send or receive carried out by a C++ channel thread; reports itself to the observer once."""
 
-    __slots__ = ("_request", "_op", "_peer", "_observer", "_sent")
+    __slots__ = ("_request", "_op", "_peer", "_observer", "_sent", "label")
 
     def __init__(self, request, op, peer, observer, sent=None):
         self._request = request
@@ -56,12 +56,17 @@ class NativeHandle(Handle):
         self._peer = peer
         self._observer = observer
         self._sent = sent  # a send returns the caller's tensor, not the contiguous copy it sent
+        self.label = None
 
     def is_completed(self):
         if not self._request.is_completed():
             return False
         self._finish()
         return True
+
+    @property
+    def end_ns(self):
+        return self._request.end_ns
 
     def wait(self, timeout=None):
         if not self._request.wait(-1.0 if timeout is None else float(timeout)):
@@ -76,5 +81,5 @@ class NativeHandle(Handle):
         if self._observer is not None:
             observer, self._observer = self._observer, None
             observer(TransferEvent(self._op, self._peer, request.nbytes, request.seq, request.tag,
-                                   request.start_ns, request.end_ns))
+                                   request.start_ns, request.end_ns, self.label))
         return self._sent if self._op == "send" else request.tensor
