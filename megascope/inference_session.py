@@ -19,7 +19,7 @@ from megascope.errors import ProtocolError
 from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.welcome import welcome_info
-from megascope.wire import Limits, encode_data_frame, error_message
+from megascope.wire import Limits, echo_id, encode_data_frame, error_message
 from megatron.inference.engine import NoObserver
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
@@ -246,7 +246,7 @@ class InferenceSession:
             self._captures[client] = normalised
             if client in self._running:
                 self._control.setdefault(client, {})["capture"] = normalised
-        client.send({"type": "capture_set", "capture": normalised})
+        client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
 
     def _perturb(self, client, message):
         # Checked here, so a bad one is refused before any rank sees it; every rank gets the normalised form.

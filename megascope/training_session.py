@@ -18,7 +18,7 @@ from megascope.layer_statistics import LayerStatistics
 from megascope.perturbations import Perturbation, PerturbationSet, parse_perturbations
 from megascope.training_control import TrainingControl
 from megascope.welcome import welcome_info
-from megascope.wire import encode_data_frame
+from megascope.wire import echo_id, encode_data_frame
 from megascope.ws_server import WebSocketServer
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import print_rank_0
@@ -61,7 +61,7 @@ class TrainingSession:
             spec = self._checked_spec(message["capture"])
             normalised = None if spec is None else spec.to_json()
             self.control.set_pending("capture", normalised)
-            client.send({"type": "capture_set", "capture": normalised})
+            client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
         elif kind == "perturb":
             active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
             self.control.set_pending("perturbations", active)
