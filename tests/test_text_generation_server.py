@@ -161,7 +161,10 @@ def positions_read(messages):
 
 
 def expected_frames(messages):
-    return sum(positions_read(messages)[0]) * 2 * 2  # x hooks x layers
+    """Per hook and layer: a frame per step that read a prompt's tokens, and one of the final pass for each
+    prompt whose last token no step read (the longest ones: no later step goes on)."""
+    steps, lengths = positions_read(messages)
+    return (sum(steps) + lengths.count(max(lengths))) * 2 * 2  # x hooks x layers
 
 
 def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
@@ -209,22 +212,50 @@ def test_perturbations_change_the_tokens_and_removing_them_restores_them(server)
     assert (refusal["code"], refusal["field"]) == ("bad_field", "perturbations.0.noise")
 
 
-def test_pca_of_a_hook_over_every_token(server):
+def _early_stop_token(generated):
+    """A token that ends one prompt's greedy continuation early while the other one goes on: (row, token)."""
+    for row, other in ((0, 1), (1, 0)):
+        for index, token in enumerate(generated[row][:-2]):
+            if token not in generated[row][:index] and token not in generated[other]:
+                return row, token
+    raise AssertionError(f"no token stops one prompt early: {generated}")
+
+
+def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(server):
+    capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
+
     async def client():
         async with websocket(server) as ws:
             await welcomed(ws)
-            capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
-            return (await generation(ws, {"type": "generate", "capture": capture, **GREEDY}))[0]
-    messages = run(client())
+            plain = (await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"]
+            row, stop = _early_stop_token(plain)
+            request = {"type": "generate", "capture": capture, "stop_tokens": [stop], **GREEDY}
+            return row, await generation(ws, request)
+    stopped_row, (messages, frames) = run(client())
     pca = next(message for message in messages if message["type"] == "pca")
-    done = messages[-1]
-    started = messages[0]
-    steps, lengths = positions_read(messages)
-    shortest = min(len(prompt) for prompt in started["prompt_tokens"])
-    assert len(pca["points"]) == sum(shortest - 1 + n for n in steps)  # every token read, no padding
-    assert all(point["token_index"] < lengths[point["prompt_index"]] for point in pca["points"])
-    assert done["type"] == "generation_done"
-    assert 0 < sum(pca["explained_variance"]) <= 1 + 1e-6 and pca["explained_variance"][0] >= pca["explained_variance"][1]
+    started, done = messages[0], messages[-1]
+    assert done["finish_reason"][stopped_row] == "stop" and done["finish_reason"][1 - stopped_row] == "length"
+    texts = [[token["id"] for token in prompt] + generated
+             for prompt, generated in zip(started["prompt_tokens"], done["tokens"])]
+    # the vectors streamed for the PCA hook: every token of each prompt exactly once, nothing after its end
+    vectors = {}
+    for header, values in map(decode_data_frame, frames):
+        if header["hook"] == "blocks.2.resid_post":
+            for offset, position in enumerate(range(*header["tokens"])):
+                assert (header["prompt_index"], position) not in vectors
+                vectors[(header["prompt_index"], position)] = values[offset].astype(np.float64)
+    real = [(prompt, position) for prompt, text in enumerate(texts) for position in range(len(text))]
+    assert sorted(vectors) == real
+    assert [(point["prompt_index"], point["token_index"]) for point in pca["points"]] == real
+    data = np.stack([vectors[key] for key in real])
+    centred = data - data.mean(axis=0)
+    _, singular, right = np.linalg.svd(centred, full_matrices=False)
+    want = centred @ right[:2].T
+    got = np.array([[point["x"], point["y"]] for point in pca["points"]])
+    got *= np.sign((got * want).sum(axis=0))  # a component's sign is a convention
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())  # the wire's float16 values
+    np.testing.assert_allclose(pca["explained_variance"], singular[:2] ** 2 / (singular ** 2).sum(), atol=2e-3)
+    assert pca["explained_variance"][0] >= pca["explained_variance"][1]
 
 
 def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):

@@ -62,6 +62,9 @@ class NoObserver:
     def step_done(self, step):
         """Every rank, inside ``forward``'s context, once the step's tokens are known."""
 
+    def after(self, generation):
+        """Every rank, after the last step (still in inference mode): the last tokens chosen were never read."""
+
 
 def agree(obj, device):
     """Rank 0's ``obj`` on every rank (nothing to send in a one-process job)."""
@@ -135,8 +138,10 @@ class GenerationEngine:
             if position >= total or (all(finish) and not reading_prompts):
                 break
         finish = [reason or "length" for reason in finish]  # the model's length ran out first
-        return Generation(tokens=[tokens[row, :lengths[row] + generated[row]].tolist() for row in range(batch)],
-                          prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs)
+        generation = Generation(tokens=[tokens[row, :lengths[row] + generated[row]].tolist() for row in range(batch)],
+                                prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs)
+        observer.after(generation)
+        return generation
 
     def _logits(self, inputs, start, context, all_positions):
         """The last stage's [b, s or 1, vocab] float32 logits over the tokenizer's vocabulary, else None."""
