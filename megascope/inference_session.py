@@ -224,9 +224,13 @@ class InferenceSession:
         self._control.setdefault(client, {})["cancel"] = True
 
     def take_control(self, client):
-        """Rank 0, between steps: the pending control of ``client``'s generation (and new perturbations)."""
+        """Rank 0, between steps: the pending control of ``client``'s generation (and new perturbations); a
+        cancel once the server is stopping."""
         with self._lock:
-            return self._control.pop(client, None) or None
+            control = self._control.pop(client, None) or None
+        if self.service.stopping:
+            return {**(control or {}), "cancel": True}
+        return control
 
     def _generate(self, client, message):
         request = message

@@ -2,7 +2,11 @@
 one rank and over a pipeline of two; bad requests get a 400 or an error frame naming the field and the
 server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it."""
 
+import asyncio
 import json
+import re
+import signal
+import sys
 import urllib.error
 import urllib.request
 
@@ -12,7 +16,7 @@ import websockets
 
 from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
-from launch import REPO, run_script
+from launch import REPO, free_port, run_script
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]
@@ -298,6 +302,52 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
                   "topk": 5, "logit_lens": False, "pca": None, "sample": 0}  # every default filled in
     assert {"type": "capture_set", "capture": normalised} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
+
+
+def _refuses_connections(url):
+    try:
+        urllib.request.urlopen(url, timeout=60)
+    except urllib.error.URLError as error:
+        return isinstance(error.reason, ConnectionRefusedError)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_generation_stops_a_single_process_server_with_one_line(signum):
+    command = [sys.executable, str(REPO / "tools/run_text_generation_server.py"), *TINY_SERVER,
+               "--port", "0", "--enable-ws-server", "--ws-port", "0"]
+    single = GenerationServer(0, [], command=command, env={"MASTER_PORT": str(free_port())})
+    try:
+        async def client():
+            async with websocket(single) as ws:
+                await send(ws, {"type": "hello", "protocol": 1})
+                assert (await receive(ws))["type"] == "welcome"
+                await send(ws, {"type": "generate", "prompts": ["Once"], "tokens_to_generate": 50})
+                assert (await receive(ws))["type"] == "generation_started"
+                assert (await receive(ws))["type"] == "token"
+                stopped = asyncio.get_running_loop().run_in_executor(None, single.interrupt, signum)
+                with pytest.raises(websockets.ConnectionClosed):  # the server closes the connection
+                    while True:
+                        await receive(ws)
+                return await stopped
+        code, output, alive = run(client())
+    finally:
+        single.stop()
+    assert (code, output.splitlines(), alive) == (0, ["server stopped"], []), output
+    assert _refuses_connections(single.rest + "/api")
+
+
+def test_torchrun_ranks_stop_together_when_rank_0_or_torchrun_gets_the_signal():
+    for target in ("rank 0", "torchrun"):
+        server = GenerationServer(2, TINY_SERVER + ["--tensor-model-parallel-size", "2"])
+        code, output, alive = server.interrupt(signal.SIGTERM, server.rank0 if target == "rank 0" else None)
+        assert alive == [] and output.count("server stopped") == 1, output
+        assert not re.search(r"\[rank\d\]", output), output  # no rank says anything else (no stack trace)
+        if target == "rank 0":  # torchrun sees every rank exit 0
+            assert code == 0 and output.splitlines() == ["server stopped"], output
+        else:  # torchrun reports the signal it received in its own words
+            assert "SignalException" in output, output
+        assert _refuses_connections(server.rest + "/api")
 
 
 def test_a_bad_flag_is_one_line_and_exit_code_2():

@@ -53,7 +53,7 @@ class NoObserver:
 
     def apply(self, control):
         """Every rank: act on rank 0's control message; True stops the generation (cancel)."""
-        return False
+        return bool(control and control.get("cancel"))
 
     def forward(self, index, start, end):
         """Every rank: a context around one step's forward (where capture hooks live)."""
