@@ -266,9 +266,7 @@ class InferenceSession:
         job.done.wait()
         with self._lock:
             self._running.pop(client, None)
-            unapplied = self._control.pop(client, None) or {}
-        if "perturbations" in unapplied:  # came after the generation's last step
-            self.service.control({"perturbations": unapplied["perturbations"]})
+            self._control.pop(client, None)  # came after the last step: _perturb queued its control job too
         if job.error is not None:
             log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
             client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
@@ -299,9 +297,10 @@ class InferenceSession:
         # Checked here, so a bad one is refused before any rank sees it; every rank gets the normalised form.
         active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
         with self._lock:
-            running = list(self._running)
-            for other in running:
+            for other in self._running:  # from its next step, on the replica that runs it
                 self._control.setdefault(other, {})["perturbations"] = active
-        if not running:
-            self.service.control({"perturbations": active})
+        # Every rank, after the running generation: the other data-parallel replicas too. Where a generation
+        # applied the set already, applying it again puts back the same (seeded) storage noise and restarts
+        # the count of forwards that calculation noise is drawn by, as on the replicas that had not seen it.
+        self.service.control({"perturbations": active})
         self.server.broadcast({"type": "perturbations", "active": active})

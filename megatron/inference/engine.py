@@ -7,9 +7,10 @@ greedy.py's ``logits``), so stages pass activations as in training. A small-batc
 Megatron-LM: the prefill reads the shortest prompt's length, then every step reads one position of every
 row; a row still inside its prompt takes its prompt token, the others take the sampled one.
 
-Every rank calls ``generate`` with the same arguments. The last pipeline stage draws the tokens and
-broadcasts them (with their probabilities) to the stages before it. Between steps rank 0 may hand a
-small control message (cancel, a new capture, perturbations) to every rank, so all ranks agree.
+Every rank of a data-parallel replica calls ``generate`` with the same arguments. The last pipeline stage
+draws the tokens and broadcasts them (with their probabilities) to the stages before it. Between steps the
+replica's first rank (global rank 0 for the first replica) may hand a small control message (cancel, a new
+capture, perturbations) to every rank of the replica, so they all agree.
 """
 
 import contextlib
@@ -20,7 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megatron.inference.greedy import logits as forward_logits
-from megatron.inference.sampling import Draw, draw
+from megatron.inference.sampling import Draw, draw, prompt_generators
 
 
 @dataclass
@@ -75,6 +76,17 @@ def agree(obj, device):
     return box[0]
 
 
+def agree_in_replica(poll, device):
+    """``poll()`` of the first rank of this data-parallel replica (global rank 0 for the first) on every rank
+    of the replica: replicas generate different prompts, so they never wait on each other."""
+    group = parallel_state.get_model_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    box = [poll() if torch.distributed.get_rank() == ranks[0] else None]
+    if len(ranks) > 1:
+        torch.distributed.broadcast_object_list(box, src=ranks[0], group=group, device=device)
+    return box[0]
+
+
 class GenerationEngine:
     def __init__(self, model, vocab_size, eod, max_sequence_length, device):
         self.model = model
@@ -93,7 +105,7 @@ class GenerationEngine:
         tokens = torch.zeros(batch, total + 1, dtype=torch.long)  # a spare column: the last step's choice
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = torch.tensor(prompt)
-        generator = torch.Generator().manual_seed(params.random_seed)
+        generators = prompt_generators(params, batch)
         stops = {self.eod, *params.stop_tokens}
         generated = [0] * batch
         finish = [None if params.tokens_to_generate > 0 else "length" for _ in prompts]
@@ -102,8 +114,7 @@ class GenerationEngine:
         context = StaticInferenceContext(batch, total)
         start, position, index = 0, min(lengths), 0
         while True:
-            if observer.apply(agree(observer.poll() if torch.distributed.get_rank() == 0 else None,
-                                    self.device)):
+            if observer.apply(agree_in_replica(observer.poll, self.device)):
                 finish = [reason or "cancelled" for reason in finish]
                 break
             inputs = tokens[:, start:position].to(self.device)
@@ -115,7 +126,7 @@ class GenerationEngine:
                 # A row still inside its prompt reads its prompt token (and reports its probabilities).
                 forced = torch.tensor([int(tokens[row, position]) if position < lengths[row] else -1
                                        for row in range(batch)])
-                chosen = self._draw(step_logits, params, generator, forced)
+                chosen = self._draw(step_logits, params, generators, forced)
                 sampled = [row for row in range(batch) if finish[row] is None and position >= lengths[row]]
                 for row in sampled:
                     token = int(chosen.tokens[row])
@@ -167,12 +178,12 @@ class GenerationEngine:
             values = step_logits[:, :-1].log_softmax(dim=-1).gather(-1, inputs[:, 1:, None]).squeeze(-1)
         return self._from_last_stage(values, (inputs.shape[0], inputs.shape[1] - 1), torch.float32).cpu()
 
-    def _draw(self, step_logits, params, generator, forced):
+    def _draw(self, step_logits, params, generators, forced):
         """The last stage draws; every stage receives the draw, packed in one float64 tensor."""
         batch, k = forced.shape[0], min(params.topk_report, self.vocab_size)
         packed = None
         if step_logits is not None:
-            chosen = draw(step_logits[:, -1], params, generator, forced)
+            chosen = draw(step_logits[:, -1], params, generators, forced)
             if parallel_state.get_pipeline_model_parallel_world_size() == 1:
                 return chosen
             packed = torch.cat([chosen.tokens[:, None].double(), chosen.probs[:, None].double(),

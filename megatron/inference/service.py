@@ -2,10 +2,12 @@
 ranks' generation loop.
 
 Rank 0's servers put jobs in a queue; ``serve_forever`` on every rank takes them in the same order:
-rank 0 broadcasts each job's data (never the job itself: it holds sockets and events), so every rank
-runs the same generation. With nothing to do, rank 0 sends an idle heartbeat now and then, so the
-other ranks' waiting broadcast never reaches the process group's timeout. ``stop`` (rank 0) ends the
-running generation at its next step, refuses the queued ones and ends every rank's loop.
+rank 0 broadcasts each job's data (never the job itself: it holds sockets and events) to every rank. With
+data-parallel replicas a REST request's prompts are shared among them (megatron/inference/replicas.py) and
+a WebSocket generation runs on the first replica alone (its rank 0 streams and captures). With nothing to
+do, rank 0 sends an idle heartbeat now and then, so the other ranks' waiting broadcast never reaches the
+process group's timeout. ``stop`` (rank 0) ends the running generation at its next step, refuses the
+queued ones and ends every rank's loop.
 """
 
 import queue
@@ -13,8 +15,11 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 
+from megatron.core import parallel_state
+
 from megascope.errors import ProtocolError
 from megatron.inference.engine import NoObserver, agree
+from megatron.inference.replicas import generate_share
 from megatron.inference.sampling import SamplingParams
 
 IDLE_HEARTBEAT_SECONDS = 30
@@ -113,6 +118,17 @@ class GenerationService:
                 job.done.set()
         return job
 
+    def _generate(self, job, payload):
+        """Every rank: a REST request's prompts are shared among the data-parallel replicas; a WebSocket
+        generation (streamed and captured by rank 0) runs on the first replica, the others wait."""
+        params = SamplingParams(**payload["params"])
+        if "scope" not in payload:
+            return generate_share(self.engine, payload["prompts"], params, (job.observer or StopAtNextStep(self))
+                                  if job else None)
+        if parallel_state.get_data_parallel_rank() != 0:
+            return None
+        return self.engine.generate(payload["prompts"], params, job.observer if job else self.observer_factory(payload))
+
     def serve_forever(self, rank):
         """The loop of every rank; returns after a stop job."""
         while True:
@@ -124,9 +140,7 @@ class GenerationService:
                 if payload["kind"] == "control":
                     self.on_control(payload)
                 elif payload["kind"] == "generate":
-                    observer = (job.observer or StopAtNextStep(self)) if job else self.observer_factory(payload)
-                    result = self.engine.generate(payload["prompts"], SamplingParams(**payload["params"]),
-                                                  observer)
+                    result = self._generate(job, payload)
                     if job:
                         job.result = result
             except Exception as error:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
