@@ -34,6 +34,7 @@ class GenerationServer:
                                     stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self._listening = threading.Event()
+        self._new_line = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         if not self._listening.wait(timeout) or self.job.poll() is not None:
@@ -46,10 +47,17 @@ class GenerationServer:
 
     def _read(self):
         for line in self.job.stdout:
-            self.lines.append(line)
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
             if line.startswith("server pid "):  # rank 0's last line once it serves
                 self._listening.set()
         self._listening.set()  # exited
+
+    def logged(self, text, timeout=60):
+        """Whether a line holding ``text`` is in the output, or comes within ``timeout`` seconds."""
+        with self._new_line:
+            return self._new_line.wait_for(lambda: any(text in line for line in self.lines), timeout)
 
     def interrupt(self, signum, pid=None, timeout=120):
         """Send ``signum`` to ``pid`` (default: the launched process) and wait until the job and all its

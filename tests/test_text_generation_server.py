@@ -304,6 +304,43 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
 
 
+def set_perturbations(server, perturbations, token=None):
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            await send(ws, {"type": "perturb", "perturbations": perturbations})
+            assert (await receive(ws))["type"] == "perturbations"
+    run(client())
+
+
+def test_data_parallel_replicas_share_a_requests_prompts_and_answer_as_one_replica(server):
+    request = {**SAMPLED, "prompts": [*PROMPTS, "Once upon a time", "x"], "logprobs": True}
+    perturbed_request = {**GREEDY, "prompts": request["prompts"]}
+    reference = server.put(request)[1]
+    set_perturbations(server, [NOISE], TOKEN)
+    try:
+        perturbed_reference = server.put(perturbed_request)[1]
+    finally:
+        set_perturbations(server, [], TOKEN)
+    replicas = GenerationServer(2, TINY_SERVER)  # DP 2: the first replica takes prompts 0-1, the second 2-3
+    try:
+        status, answer = replicas.put(request)
+        assert status == 200 and answer["tokens"] == reference["tokens"], answer
+        assert replicas.logged("replica 0 of 2: prompts [0, 2) of 4"), "".join(replicas.lines)
+        assert replicas.logged("replica 1 of 2: prompts [2, 4) of 4"), "".join(replicas.lines)
+        assert answer["finish_reason"] == reference["finish_reason"] and answer["text"] == reference["text"]
+        for ours, theirs in zip(answer["logprobs"], reference["logprobs"]):
+            assert ours == pytest.approx(theirs, abs=1e-4)
+        # a WebSocket generation runs on the first replica: the tokens of the one-replica server
+        assert websocket_tokens(replicas, SAMPLED)[-1]["tokens"] == websocket_tokens(server, SAMPLED)[-1]["tokens"]
+        # perturbations set over the WebSocket reach both replicas
+        set_perturbations(replicas, [NOISE])
+        assert replicas.put(perturbed_request)[1]["tokens"] == perturbed_reference["tokens"]
+    finally:
+        replicas.stop()
+
+
 def _refuses_connections(url):
     try:
         urllib.request.urlopen(url, timeout=60)

@@ -3,7 +3,7 @@
     torchrun --nproc_per_node N tools/run_text_generation_server.py <model flags> --load CKPT \\
         --tokenizer-type ... [--port 5000] [--enable-ws-server [--ws-host 127.0.0.1] [--ws-port 5001] [--ws-token T]]
 
-Every rank runs the model at its TP/PP (DP replicas run the same requests); rank 0 serves the REST API
+Every rank runs the model at its TP/PP (DP replicas share a REST request's prompts); rank 0 serves the REST API
 (PUT /api) and, with --enable-ws-server, the WebSocket of docs/megascope_protocol.md.
 Without --load the model keeps its seeded initialization. SIGINT or SIGTERM (Ctrl-C; torchrun passes the
 signal on to every rank) stops every rank after the step in progress: "server stopped", exit code 0.

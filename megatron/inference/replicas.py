@@ -25,6 +25,10 @@ def generate_share(engine, prompts, params, observer):
     """Collective over every rank: this replica generates its share, and global rank 0 gets the whole
     Generation in the prompts' order (None elsewhere)."""
     start, end = replica_share(len(prompts))
+    replicas = parallel_state.get_data_parallel_world_size()
+    if replicas > 1 and parallel_state.get_model_parallel_group().rank() == 0:  # progress, once per replica
+        print(f"replica {parallel_state.get_data_parallel_rank()} of {replicas}: prompts [{start}, {end}) "
+              f"of {len(prompts)}", flush=True)
     share = engine.generate(prompts[start:end], replace(params, first_prompt=start), observer) \
         if end > start else None
     parts = gather_objects(share, parallel_state.get_data_parallel_group(), 0)
