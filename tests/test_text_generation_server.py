@@ -90,12 +90,14 @@ def test_websocket_errors_and_the_server_goes_on(server):
             assert (await receive(ws))["code"] == "unauthorized"  # hello first
             await welcomed(ws)
             for text, code, field in [("{oops", "bad_json", None), ('{"type": "warp"}', "unknown_type", "type"),
-                                      ('{"type": "generate", "prompts": [3]}', "bad_field", "prompts"),
-                                      ('{"type": "generate", "prompts": ["x"], "top_k": 99999}', "bad_field", "top_k"),
+                                      ('{"type": "generate", "id": 1, "prompts": [3]}', "bad_field", "prompts"),
+                                      ('{"type": "generate", "id": 2, "prompts": ["x"], "top_k": 99999}',
+                                       "bad_field", "top_k"),
                                       ('{"type": "cancel", "id": "nothing"}', "bad_field", "id")]:
                 await ws.send(text)
                 error = await receive(ws)
                 assert (error["type"], error["code"], error.get("field")) == ("error", code, field), text
+                assert error.get("id") == json.loads(text).get("id") if text != "{oops" else "id" not in error
             await send(ws, {"type": "ping", "padding": "x" * 5000})  # over --ws-max-message-bytes
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await receive(ws)
