@@ -123,11 +123,12 @@ class GenerationService:
         generation (streamed and captured by rank 0) runs on the first replica, the others wait."""
         params = SamplingParams(**payload["params"])
         if "scope" not in payload:
-            return generate_share(self.engine, payload["prompts"], params, (job.observer or StopAtNextStep(self))
-                                  if job else None)
+            observer = (job.observer or StopAtNextStep(self)) if job else None
+            return generate_share(self.engine, payload["prompts"], params, observer)
         if parallel_state.get_data_parallel_rank() != 0:
             return None
-        return self.engine.generate(payload["prompts"], params, job.observer if job else self.observer_factory(payload))
+        observer = job.observer if job else self.observer_factory(payload)
+        return self.engine.generate(payload["prompts"], params, observer)
 
     def serve_forever(self, rank):
         """The loop of every rank; returns after a stop job."""
