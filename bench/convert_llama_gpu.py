@@ -5,8 +5,8 @@ against transformers: logits of a batch of prompts (fp32 on both sides) and gree
 
 For each shape: a random model (no download: weights drawn on --device) saved as sharded bf16
 safetensors with a word-level tokenizer (w0 .. wN, one token a word); tools/checkpoint/convert.py
---bf16 (wall time, its per-shard GB and GB/s, its peak host memory); generate_greedy.py on the
-checkpoint in fp32 (the bf16 weights upcast, as transformers does with them); transformers in fp32
+--bf16 (wall time, its per-shard GB and GB/s, its peak host memory above its imports beside the
+largest shard plus the largest layer); generate_greedy.py on the checkpoint in fp32 (the bf16 weights upcast, as transformers does with them); transformers in fp32
 on the same prompts. Writes RESULTS_DIR/<shape>.json, the logs, and summary.txt (also printed).
 Models go to a temporary directory removed at the end.
 """
@@ -14,6 +14,7 @@ Models go to a temporary directory removed at the end.
 import argparse
 import glob
 import json
+import math
 import os
 import re
 import subprocess
@@ -22,6 +23,7 @@ import tempfile
 import time
 
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,6 +84,20 @@ def run_logged(command, log_path, timeout):
     return output, time.time() - start
 
 
+def shard_and_layer_gb(hf_dir):
+    """The largest safetensors shard plus the largest layer (as stored: bf16, the type converted to),
+    the peak the conversion should stay near (above its imports)."""
+    files = glob.glob(os.path.join(hf_dir, "*.safetensors"))
+    layer_bytes = {}
+    for path in files:
+        with safe_open(path, framework="pt") as shard:
+            for name in shard.keys():
+                if name.startswith("model.layers."):
+                    layer = int(name.split(".")[2])
+                    layer_bytes[layer] = layer_bytes.get(layer, 0) + math.prod(shard.get_slice(name).get_shape()) * 2
+    return (max(os.path.getsize(path) for path in files) + max(layer_bytes.values())) / 1e9
+
+
 def convert(hf_dir, save_dir, log_path):
     output, wall = run_logged([sys.executable, "tools/checkpoint/convert.py", "--model-type", "GPT",
                                "--loader", "llama_mistral", "--saver", "core", "--checkpoint-type", "hf",
@@ -94,7 +110,7 @@ def convert(hf_dir, save_dir, log_path):
     peak = _PEAK_LINE.search(output)
     return {"convert_wall_s": wall, "tensors_s": tensor_seconds, "gigabytes": gigabytes,
             "gb_per_s": gigabytes / max(tensor_seconds, 0.01), "peak_host_gb": float(peak.group(1)),
-            "peak_above_imports_gb": float(peak.group(2))}
+            "peak_above_imports_gb": float(peak.group(2)), "shard_plus_layer_gb": shard_and_layer_gb(hf_dir)}
 
 
 def ours(save_dir, prompts_ids, work, device, log_path):
@@ -146,12 +162,13 @@ def check(shape, out_dir, work_root, device):
 
 def summary(results, device):
     header = (f"{'shape':<14} {'params':>10} {'HF GB':>7} {'convert s':>9} {'tensors s':>9} {'GB/s':>6} {'peak GB':>8} "
-              f"{'above imports GB':>16} {'logits rel err':>14} {'tol':>6} {'tokens equal':>12} {'min top-2 gap':>13}")
+              f"{'above imports GB':>16} {'shard+layer GB':>14} {'logits rel err':>14} {'tol':>6} {'tokens equal':>12} {'min top-2 gap':>13}")
     lines = [f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), "
              f"torch {torch.__version__}", header]
     for r in results:
         lines.append(f"{r['shape']:<14} {r['params']:>10,} {r['gigabytes']:>7.4f} {r['convert_wall_s']:>9.1f} {r['tensors_s']:>9.1f} "
                      f"{r['gb_per_s']:>6.3f} {r['peak_host_gb']:>8.3f} {r['peak_above_imports_gb']:>16.3f} "
+                     f"{r['shard_plus_layer_gb']:>14.3f} "
                      f"{r['logits_max_rel_err_fp32']:>14.2e} {r['tolerance']:>6.0e} {str(r['tokens_equal']):>12} "
                      f"{r['smallest_top2_margin']:>13.2e}")
     verdict = all(r["logits_ok"] and r["tokens_equal"] for r in results)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Hugging Face -> megatron-core conversion on one GPU: a tiny random Llama 3 and one of Llama 3 8B's shape
 # with 4 layers (about 3.9 GB in bf16), each converted with tools/checkpoint/convert.py --bf16 (time, GB/s,
-# peak host memory) and checked against transformers (fp32 logits of 4 prompts, 16 greedy tokens).
+# peak host memory beside one shard plus one layer) and checked against transformers (fp32 logits of
+# 4 prompts, 16 greedy tokens).
 # Results (summary.txt, <shape>.json, the logs) go to RESULTS_DIR (relative: to the repository); no network
 # needed; bounded to fit a 10-minute call (timeout 570 s).
 #   bash bench/convert_llama_gpu.sh RESULTS_DIR            # on the GPU machine

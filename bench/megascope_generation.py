@@ -4,7 +4,8 @@
     python bench/megascope_generation.py --tiny     # CPU check of the same code, tiny shapes (~1-2 min)
 
 For each model, greedy generation of NEW tokens after a 32-token prompt (batch 1, one process):
-  tokens/s with capture off, with the WebSocket server on and idle, and with a full capture (every hook
+  tokens/s with capture off (the default path: static KV cache, CUDA-graphed decode), the same without CUDA graphs
+  and on megatron-core's inference path (with how many greedy tokens agree), with the WebSocket server on and idle, and with a full capture (every hook
   at every layer, raw values, logit lens) streamed to a real WebSocket client; bytes per generated token
   on the wire (binary data frames + JSON) against the same content as JSON text; for the Llama model,
   transformers' generate on the same random weights (created here, converted by tools/checkpoint/convert.py).
@@ -136,6 +137,17 @@ def worker(kind, flags, new_tokens, hf_dir):
     row = {"model": kind}
     generation, seconds = _timed(lambda: engine.generate([PROMPT], params))
     row["capture off"] = _generated(generation) / seconds
+    # The same generation on the static cache without CUDA graphs, and on megatron-core's inference path.
+    for column, variant in {"no CUDA graphs": dict(cuda_graphs=False), "megatron-core path": dict(static_cache=False)
+                            }.items():
+        other = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, args.max_position_embeddings, device,
+                                 **variant)
+        other.generate([PROMPT], params)  # warm-up
+        theirs, seconds = _timed(lambda: other.generate([PROMPT], params))
+        row[column] = _generated(theirs) / seconds
+        # bf16 rounding differs between the paths, so a near tie may flip a greedy token: report where they part.
+        same = [a == b for a, b in zip(generation.tokens[0], theirs.tokens[0])] + [False]
+        row[f"tokens equal to {column}"] = f"{same.index(False) - len(PROMPT)}/{_generated(generation)}"
 
     limits = Limits(send_queue_frames=1_000_000, max_tokens_to_generate=new_tokens)
     service = GenerationService(engine, device)
@@ -224,8 +236,9 @@ def main():
             llama_flags = f.read().split() + ["--seq-length", "1024"] + device + ([] if options.tiny else ["--bf16"])
         name = "Llama tiny" if options.tiny else "Llama 1B-shaped"
         rows.append(_run_worker(name, llama_flags, new_tokens, hf_dir))
-    columns = ["model", "capture off", "ws idle", "full capture", "transformers", "wire bytes/token",
-               "as JSON bytes/token"]
+    columns = ["model", "capture off", "no CUDA graphs", "megatron-core path", "ws idle", "full capture",
+               "transformers", "wire bytes/token", "as JSON bytes/token", "tokens equal to no CUDA graphs",
+               "tokens equal to megatron-core path"]
     print(f"greedy generation, batch 1, 32-token prompt, {new_tokens} new tokens; tokens/s unless named bytes")
     print(" | ".join(f"{column:>19}" for column in columns))
     for row in rows:

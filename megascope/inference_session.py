@@ -35,6 +35,8 @@ class ScopeObserver(NoObserver):
     """One generation seen from one rank. ``scope``: {"id", "capture": JSON or None} (the job's payload);
     ``client`` and ``session`` only on rank 0."""
 
+    hooks_model = True  # capture and perturbations can start at any step: megatron-core's own inference path
+
     def __init__(self, scope, model, args, client=None, session=None):
         self.id = scope["id"]
         self.model = model

@@ -1,5 +1,6 @@
 """Run under torchrun by tests/test_generation_engine.py: one tiny GPT (seeded, layout-invariant
-initialization) generates with the KV-cache engine and, for reference, with the no-cache greedy loop;
+initialization) generates with the KV-cache engine on its default path and on megatron-core's inference path,
+and, for reference, with the no-cache greedy loop;
 rank 0 writes the tokens as JSON to the path in GENERATION_CHECK_OUT."""
 
 import json
@@ -41,6 +42,13 @@ def main():
     # Prompt 1 alone, as the second prompt of its request: the tokens it has in the whole batch
     alone = engine.generate(MIXED_LENGTHS[1:2], SamplingParams(random_seed=3, tokens_to_generate=new, first_prompt=1))
     results["alone"] = alone.tokens
+    # The same generations on megatron-core's inference path (the default runs on the static cache where it can).
+    megatron_path = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, args.max_position_embeddings,
+                                     args.device, static_cache=False)
+    results["megatron_path"] = {
+        "greedy": megatron_path.generate(SAME_LENGTH, SamplingParams(top_k=1, tokens_to_generate=new)).tokens}
+    plain = megatron_path.generate(MIXED_LENGTHS, SamplingParams(random_seed=3, tokens_to_generate=new, logprobs=True))
+    results["megatron_path"]["plain"] = {"tokens": plain.tokens, "logprobs": plain.logprobs}
     if torch.distributed.get_rank() == 0:
         results["shared"] = {"tokens": shared.tokens, "logprobs": shared.logprobs}
         with open(os.environ["GENERATION_CHECK_OUT"], "w") as f:

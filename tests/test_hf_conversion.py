@@ -303,6 +303,18 @@ def test_missing_or_unsupported_input_is_one_line_naming_it(llama3, tmp_path):
     last_shard.unlink()
     assert _convert_error(lacking_a_shard, out) == [
         f"convert.py: error: --load-dir {lacking_a_shard}: {last_shard.name} is listed in the index but missing"]
+    damaged = tmp_path / "damaged"
+    shutil.copytree(root / "hf", damaged)
+    shard = sorted(damaged.glob("model-*.safetensors"))[-1]
+    content = shard.read_bytes()
+    header = json.loads(content[8:8 + int.from_bytes(content[:8], "little")])
+    header.pop("__metadata__", None)
+    last_tensor = max(header, key=lambda name: header[name]["data_offsets"][1])  # the one a cut-off end cuts
+    shard.write_bytes(content[:-1])
+    assert _convert_error(damaged, out) == [f"convert.py: error: {shard} is truncated: it ends inside {last_tensor}"]
+    shard.write_bytes(b"\xff" * 64)
+    assert _convert_error(damaged, out) == [
+        f"convert.py: error: {shard} is not a safetensors file (its header does not parse)"]
     assert _convert_error(root / "hf", out, "--tokenizer-model", tmp_path / "absent") == [
         f"convert.py: error: --tokenizer-model {tmp_path / 'absent'} does not exist"]
     misdescribed = tmp_path / "misdescribed"

@@ -1,11 +1,14 @@
 """Text generation with a KV cache at any TP/PP (and DP replicas), on CPU or GPU.
 
-The KV cache is megatron-core's ``StaticInferenceContext`` handed to ``GPTModel.forward``; with pipeline
+A plain generation (nothing hooks the model) on one pipeline stage runs on megatron/inference/static_cache.py:
+megatron-core's modules over a preallocated KV cache, each decode step replayed as a CUDA graph on a GPU. Otherwise
+the KV cache is megatron-core's ``StaticInferenceContext`` handed to ``GPTModel.forward``; with pipeline
 parallelism each forward goes through megatron-core's forward-only pipeline schedule (megatron/inference/
 greedy.py's ``logits``), so stages pass activations as in training. A small-batch step is bound by host time
-(Python and op dispatch), hence ``torch.inference_mode`` (less per-op bookkeeping than ``no_grad``). Prompts of different lengths share one batch as in
-Megatron-LM: the prefill reads the shortest prompt's length, then every step reads one position of every
-row; a row still inside its prompt takes its prompt token, the others take the sampled one.
+(Python and op dispatch), hence ``torch.inference_mode`` (less per-op bookkeeping than ``no_grad``). Prompts of
+different lengths share one batch as in Megatron-LM: the prefill reads the shortest prompt's length, then every
+step reads one position of every row; a row still inside its prompt takes its prompt token, the others take the
+sampled one.
 
 Every rank of a data-parallel replica calls ``generate`` with the same arguments. The last pipeline stage
 draws the tokens and broadcasts them (with their probabilities) to the stages before it. Between steps the
@@ -19,9 +22,11 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.utils import unwrap_model
 
 from megatron.inference.greedy import logits as forward_logits
 from megatron.inference.sampling import Draw, draw, prompt_generators
+from megatron.inference.static_cache import StaticCacheModel, supports
 
 
 @dataclass
@@ -47,6 +52,10 @@ class Generation:
 
 class NoObserver:
     """What ``generate`` calls around each step; a session overrides it to stream and capture."""
+
+    # Whether forward hooks on the model's modules must see megatron-core's own inference path (MegaScope's
+    # capture and perturbations); a plain generation may run on the static cache instead.
+    hooks_model = False
 
     def poll(self):
         """Rank 0: a control message for every rank (a dict) or None."""
@@ -88,12 +97,17 @@ def agree_in_replica(poll, device):
 
 
 class GenerationEngine:
-    def __init__(self, model, vocab_size, eod, max_sequence_length, device):
+    """``static_cache``: plain generations run on megatron/inference/static_cache.py where it supports the model
+    (else megatron-core's StaticInferenceContext); ``cuda_graphs``: and replay decode steps as a CUDA graph on a GPU."""
+
+    def __init__(self, model, vocab_size, eod, max_sequence_length, device, static_cache=True, cuda_graphs=True):
         self.model = model
         self.vocab_size = vocab_size
         self.eod = eod
         self.max_sequence_length = max_sequence_length
         self.device = torch.device(device)
+        self.static_cache, self.cuda_graphs = static_cache, cuda_graphs
+        self._static_models = {}
 
     @torch.inference_mode()
     def generate(self, prompts, params, observer=None):
@@ -111,7 +125,7 @@ class GenerationEngine:
         finish = [None if params.tokens_to_generate > 0 else "length" for _ in prompts]
         logprobs = [[] for _ in prompts] if params.logprobs else None
 
-        context = StaticInferenceContext(batch, total)
+        cache = self._static_cache(batch, total, observer) or StaticInferenceContext(batch, total)
         start, position, index = 0, min(lengths), 0
         while True:
             if observer.apply(agree_in_replica(observer.poll, self.device)):
@@ -119,7 +133,7 @@ class GenerationEngine:
                 break
             inputs = tokens[:, start:position].to(self.device)
             with observer.forward(index, start, position):
-                step_logits = self._logits(inputs, start, context, params.logprobs and index == 0)
+                step_logits = self._logits(inputs, start, cache, params.logprobs and index == 0)
                 if logprobs is not None and index == 0:
                     for row, values in enumerate(self._prompt_logprobs(step_logits, inputs).tolist()):
                         logprobs[row].extend(values)
@@ -142,8 +156,9 @@ class GenerationEngine:
                             logprobs[row].append(float(chosen.logprobs[row]))
                 finished = [row for row in sampled if finish[row] is not None]
                 observer.step_done(Step(index, start, position, sampled, finished, chosen))
-            context.increment_sequence_len_offset(position - start)
-            context.enable_decode_mode()
+            if isinstance(cache, StaticInferenceContext):
+                cache.increment_sequence_len_offset(position - start)
+                cache.enable_decode_mode()
             start, position, index = position, position + 1, index + 1
             reading_prompts = any(position < length for length in lengths)
             if position >= total or (all(finish) and not reading_prompts):
@@ -154,10 +169,30 @@ class GenerationEngine:
         observer.after(generation)
         return generation
 
-    def _logits(self, inputs, start, context, all_positions):
-        """The last stage's [b, s or 1, vocab] float32 logits over the tokenizer's vocabulary, else None."""
-        context.materialize_only_last_token_logits = not all_positions
-        output = forward_logits(self.model, inputs, start, inference_context=context)
+    def _static_cache(self, batch, total, observer):
+        """A ``StaticCacheModel`` for this generation, or None for megatron-core's inference path (pipeline stages,
+        sequence parallelism, hooks). Kept for the next generation of the same batch size and cache length: the
+        length is rounded up to a power of two so that requests of similar lengths share one CUDA graph."""
+        model = unwrap_model(self.model[0])
+        if (not self.static_cache or observer.hooks_model or len(self.model) != 1
+                or not supports(model, model.config)):
+            return None
+        length = min(1 << (total - 1).bit_length(), self.max_sequence_length)
+        key = (batch, length)
+        if key not in self._static_models:
+            self._static_models.clear()  # one cache (and graph) at a time: they hold device memory
+            self._static_models[key] = StaticCacheModel(model, batch, length, self.device,
+                                                        self.cuda_graphs and self.device.type == "cuda")
+        return self._static_models[key]
+
+    def _logits(self, inputs, start, cache, all_positions):
+        """The last stage's [b, s or 1, vocab] float32 logits over the tokenizer's vocabulary, else None.
+        ``cache``: a ``StaticCacheModel`` or megatron-core's ``StaticInferenceContext``."""
+        if isinstance(cache, StaticCacheModel):
+            output = cache.logits(inputs, start, all_positions)
+        else:
+            cache.materialize_only_last_token_logits = not all_positions
+            output = forward_logits(self.model, inputs, start, inference_context=cache)
         return None if output is None else output[..., :self.vocab_size].float()
 
     def _from_last_stage(self, tensor, shape, dtype):

@@ -1,8 +1,11 @@
 """megatron-core distributed checkpoint of our GPT -> Hugging Face directory that transformers loads.
 
 The model's config is the Hugging Face config.json the forward conversion keeps in ``<load-dir>/hf``
-(or ``--hf-config-dir`` for a checkpoint trained from it elsewhere). Layers are loaded one at a time
-(dist_checkpointing loads any part of a checkpoint) and written out in safetensors shards.
+(or ``--hf-config-dir`` for a checkpoint trained from it elsewhere). Each tensor is loaded right before
+it is written (dist_checkpointing loads any part of a checkpoint): the embedding, one layer at a time,
+then the final norm and the output layer; a written shard's tensors are freed. Peak host memory: one
+output shard plus one layer, or plus the tensor being read where that is larger (DCP's reader loads a
+stored tensor whole, then copies it into ours).
 """
 
 import json
@@ -15,6 +18,7 @@ from safetensors.torch import save_file
 
 import core_layout
 import llama_tensors
+from host_memory import return_freed_memory
 from llama_config import llama_shape, read_config
 from megatron.training.checkpointing import checkpoint_dir, read_tracker
 from megatron.training.errors import UserError
@@ -24,17 +28,24 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 
 
 class ShardWriter:
-    """Writes tensors into model-NNNNN.safetensors files of about ``max_bytes`` each, and the index."""
+    """Writes tensors into model-NNNNN.safetensors files of at most ``max_bytes`` each (a larger
+    tensor: a file of its own, as transformers does), and the index. Holds one file's tensors."""
 
     def __init__(self, directory, max_bytes):
         self.directory, self.max_bytes = directory, max_bytes
         self.buffer, self.buffer_bytes, self.weight_map, self.total_bytes = {}, 0, {}, 0
 
-    def add(self, name, tensor):
-        self.buffer[name] = tensor.contiguous()
-        self.buffer_bytes += tensor.numel() * tensor.element_size()
-        if self.buffer_bytes >= self.max_bytes:
+    def make_room(self, nbytes):
+        """Starts a new file unless ``nbytes`` more fit in this one. Called before reading them too,
+        so that a full file is not held while they are read."""
+        if self.buffer_bytes + nbytes > self.max_bytes:
             self.flush()
+
+    def add(self, name, tensor):
+        nbytes = tensor.numel() * tensor.element_size()
+        self.make_room(nbytes)
+        self.buffer[name] = tensor.contiguous()
+        self.buffer_bytes += nbytes
 
     def flush(self):
         if not self.buffer:
@@ -44,6 +55,7 @@ class ShardWriter:
         self.weight_map.update(dict.fromkeys(self.buffer, file_name))
         self.total_bytes += self.buffer_bytes
         self.buffer, self.buffer_bytes = {}, 0
+        return_freed_memory()  # the file's smaller tensors: not left as holes in the heap
 
     def close(self):
         self.flush()
@@ -64,11 +76,13 @@ def _read_request(template, dtype):
                          template.global_shape, template.global_offset, None, template.replica_id)
 
 
-def _load(templates, keys, directory, dtype):
-    """{key: tensor or [tensors]} of ``keys``, read from the checkpoint in ``directory``."""
+def _load(templates, keys, directory, dtype, writer):
+    """{key: tensor or [tensors]} of ``keys``, read from the checkpoint in ``directory`` once ``writer``
+    has made room for them."""
     wholes = {key: core_layout.joined(templates[key]) if isinstance(templates[key], list) else templates[key]
               for key in keys}
     request = {key: _read_request(whole, dtype) for key, whole in wholes.items()}
+    writer.make_room(sum(tensor.data.numel() * tensor.data.element_size() for tensor in request.values()))
     # One layer of the stacked layer tensors is a partial read, which the access check would refuse.
     loaded = dist_checkpointing.load(request, directory, validate_access_integrity=False)
     return {key: _split_like(templates[key], loaded[key].reshape(whole.local_shape)) for key, whole in wholes.items()}
@@ -101,21 +115,22 @@ def convert(options):
         core_layout.start_single_process_group()
         templates = core_layout.checkpoint_templates(core_layout.model_args(shape.megatron_flags(), padded_vocab_size, []))
         writer = ShardWriter(work_dir, options.max_shard_size_gb * 1e9)
-        end_keys = ["embedding.word_embeddings.weight", "decoder.final_layernorm.weight"]
-        if not shape.tied_embeddings:
-            end_keys.append("output_layer.weight")
-        ends = _load(templates, end_keys, directory, dtype)
-        writer.add(llama_tensors.HF_EMBEDDING, ends["embedding.word_embeddings.weight"][: shape.vocab_size])
+
+        def load_one(key):  # read right before it is written: the model is never held whole
+            return _load(templates, [key], directory, dtype, writer)[key]
+
+        writer.add(llama_tensors.HF_EMBEDDING, load_one("embedding.word_embeddings.weight")[: shape.vocab_size])
         for layer in range(shape.num_layers):
             keys = core_layout.layer_keys(templates, layer)
-            loaded = _load(templates, [k for k in keys if not k.endswith("_extra_state")], directory, dtype)
+            loaded = _load(templates, [k for k in keys if not k.endswith("_extra_state")], directory, dtype, writer)
             prefix = f"decoder.layers.{layer}."
             hf = llama_tensors.hf_layer({k[len(prefix):]: v for k, v in loaded.items()}, shape)
+            del loaded  # q, k and v are copies: the fused tensor goes now, not after the next layer's read
             for part, name in llama_tensors.hf_layer_names(layer, shape.qkv_bias).items():
-                writer.add(name, hf[part])
-        writer.add(llama_tensors.HF_FINAL_NORM, ends["decoder.final_layernorm.weight"])
+                writer.add(name, hf.pop(part))  # the writer holds it alone: freed with its file
+        writer.add(llama_tensors.HF_FINAL_NORM, load_one("decoder.final_layernorm.weight"))
         if not shape.tied_embeddings:
-            writer.add(llama_tensors.HF_OUTPUT, ends["output_layer.weight"][: shape.vocab_size])
+            writer.add(llama_tensors.HF_OUTPUT, load_one("output_layer.weight")[: shape.vocab_size])
         writer.close()
         copy_hf_side_files(options.tokenizer_model or hf_dir, work_dir)
         with open(os.path.join(work_dir, "config.json"), "w") as f:

@@ -1,9 +1,10 @@
 """Hugging Face Llama-family checkpoint -> megatron-core distributed checkpoint in Megatron-LM's layout.
 
 The checkpoint is written by ``streaming_save``: each of our tensors is made from its Hugging Face
-tensors (read from their memory-mapped shard, in the target dtype) only when the writer comes to
-it, and dropped once written. Peak host memory is a few tensors of one layer above the imports,
-whatever the model's size; a progress line reports each shard once all its tensors were read.
+tensors (read by ``shard_reader``, in the target dtype) only when the writer comes to it, and
+dropped once written. Peak host memory is about the largest tensor and one layer above the imports
+(at most one shard and one layer), whatever the model's size; a progress line reports each shard
+once all its tensors were read.
 """
 
 import json
@@ -13,7 +14,6 @@ import time
 import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from safetensors import safe_open
 
 import core_layout
 import llama_tensors
@@ -21,6 +21,7 @@ from llama_config import check_layout, llama_shape, read_config
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 from megatron.training.errors import UserError
 from output_dir import copy_hf_side_files, written_atomically
+from shard_reader import ShardReader
 from streaming_save import StreamingTorchDistSaveStrategy, placeholder
 
 ITERATION = 1  # Megatron-LM's converter saves iteration 1 too; --finetune restarts at 0
@@ -43,57 +44,6 @@ def shard_files(hf_dir):
     if missing:
         raise UserError(f"--load-dir {hf_dir}: {missing[0]} is listed in the index but missing")
     return [os.path.join(hf_dir, name) for name in names]
-
-
-class ShardReader:
-    """Reads Hugging Face tensors by name, in ``dtype``, from the shard that holds them.
-
-    A shard is opened for each read (its header only is parsed) and closed right after. The tensor
-    read is a view of the file's pages (no copy unless ``dtype`` differs), mapped only until the
-    writer has written it: a copy would hold the tensor twice, file pages and anonymous memory. Prints a shard's progress line once
-    every tensor the model needs from it was read."""
-
-    def __init__(self, files, needed, dtype):
-        self.dtype, self.files = dtype, files
-        self.location, self.shapes = {}, {}
-        for path in files:
-            with safe_open(path, framework="pt") as shard:
-                for name in shard.keys():
-                    self.location[name] = path
-                    self.shapes[name] = tuple(shard.get_slice(name).get_shape())
-        missing = [name for name in needed if name not in self.location]
-        if missing:
-            raise UserError(f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[0]}")
-        self.unread = {path: set() for path in files}
-        for name in needed:
-            self.unread[self.location[name]].add(name)
-        self.progress = {path: {"tensors": 0, "bytes": 0, "start": None} for path in files}
-
-    def position(self, name):
-        """Where ``name`` lies: reading in this order reads the shards one after the other."""
-        return self.files.index(self.location[name]), name
-
-    def read(self, name):
-        path = self.location[name]
-        progress = self.progress[path]
-        if progress["start"] is None:
-            progress["start"] = time.time()
-        with safe_open(path, framework="pt") as shard:
-            tensor = shard.get_tensor(name).to(self.dtype)
-        if name in self.unread[path]:
-            self.unread[path].discard(name)
-            progress["tensors"] += 1
-            progress["bytes"] += tensor.numel() * tensor.element_size()
-            if not self.unread[path]:
-                self._report(path)
-        return tensor
-
-    def _report(self, path):
-        progress, number = self.progress[path], self.files.index(path) + 1
-        seconds = max(time.time() - progress["start"], 1e-9)
-        gigabytes = progress["bytes"] / 1e9
-        print(f"shard {number}/{len(self.files)} {os.path.basename(path)}: {progress['tensors']} tensors, "
-              f"{gigabytes:.3f} GB in {seconds:.1f} s ({gigabytes / seconds:.2f} GB/s)", flush=True)
 
 
 def tensor_recipes(shape, templates):
@@ -151,8 +101,9 @@ def streamed_state(templates, recipes, reader, dtype):
         _check_shapes(recipe, reader.shapes)
 
     def produce(key, offset):
-        recipe = recipes[(key, offset)]
-        return _made(recipe, [reader.read(name) for name in recipe[1]])
+        template, names, _, pad = recipe = recipes[(key, offset)]
+        rows = template.local_shape[0] if pad else None  # read into the padded rows: no second copy
+        return _made(recipe, [reader.read(name, rows) for name in names])
 
     def order(key, offset):
         return min(reader.position(name) for name in recipes[(key, offset)][1])

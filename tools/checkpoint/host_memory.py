@@ -1,7 +1,10 @@
-"""This process's resident host memory, read from /proc/self/status (Linux).
+"""This process's resident host memory, read from /proc/self/status (Linux), and the C allocator's
+free memory handed back.
 
 Not getrusage's ru_maxrss: an exec'd process inherits that peak from the process it was forked
 from (a test runner or shell holding a model would show as our peak)."""
+
+import ctypes
 
 
 def resident_bytes(field):
@@ -23,3 +26,14 @@ def peak_line(before):
         return None
     return (f"peak host memory: {peak / 1e9:.3f} GB, {(peak - before) / 1e9:.3f} GB above the "
             f"{before / 1e9:.3f} GB held before converting")
+
+
+def return_freed_memory():
+    """Hands the C allocator's free heap memory back to the system (glibc; elsewhere nothing).
+
+    glibc serves tensors below its mmap threshold (at most 32 MB) from its heap and keeps what is
+    freed there: a layer's worth of such holes would otherwise stay resident for the whole run."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # no C library to load, or not glibc
+        pass

@@ -70,7 +70,8 @@ class _ProducingPlanner(MCoreSavePlanner):
 class StreamingTorchDistSaveStrategy(SaveShardedStrategy):
     """Pass to ``dist_checkpointing.save(..., sharded_strategy=...)`` with a state dict of ``placeholder``s.
 
-    One process only (a conversion), one file, written serially: at most a few tensors in memory."""
+    One process only (a conversion), a file per item, written serially: at most two tensors in memory
+    (the one being written and, until the next is made, the one before)."""
 
     def __init__(self, produce: Producer, order: Order):
         super().__init__("torch_dist", 1)  # what the loader dispatches on: megatron-core's torch_dist reader
@@ -86,8 +87,11 @@ class StreamingTorchDistSaveStrategy(SaveShardedStrategy):
             if is_main_replica(item.replica_id):
                 key = item.unique_key if isinstance(item, ShardedObject) else item.key
                 grouped.setdefault(key, []).append(item)
+        # One file per item: PyTorch's writer keeps each tensor it wrote to a file (the last one of
+        # each key, in the dict its safetensors format needs) until it closes the file, so with a
+        # single file the embedding and the output layer stayed in memory to the end.
         # No copy-ahead: with it (the default where CUDA is present) the writer resolves items
         # ahead, smallest first, instead of one at a time in the plan's order.
-        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
+        writer = FileSystemWriter(checkpoint_dir, single_file_per_rank=False, thread_count=1, per_thread_copy_ahead=0)
         dcp_save(mcore_to_pyt_state_dict(grouped, is_loading=False), storage_writer=writer,
                  planner=_ProducingPlanner(self.produce, self.order))
