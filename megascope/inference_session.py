@@ -8,10 +8,12 @@ See docs/megascope_protocol.md.
 """
 
 import contextlib
+import dataclasses
 import logging
 import threading
 
 import numpy as np
+import torch
 
 from megascope.capture import Capture
 from megascope.capture_spec import parse_capture
@@ -19,8 +21,9 @@ from megascope.errors import ProtocolError
 from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.welcome import welcome_info
-from megascope.wire import Limits, encode_data_frame, error_message
+from megascope.wire import Limits, echo_id, encode_data_frame, error_message
 from megatron.inference.engine import NoObserver
+from megatron.inference.greedy import logits as forward_logits
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
 
@@ -46,6 +49,8 @@ class ScopeObserver(NoObserver):
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
         self.last_position = {}  # prompt index -> the position of its last token, once it has finished
+        self.steps_read = (0, 0)  # (steps run, end of the positions read): every row read [0, end)
+        self.device = next(model[0].parameters()).device
 
     # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
     def poll(self):
@@ -73,25 +78,54 @@ class ScopeObserver(NoObserver):
     def step_done(self, step):
         records = self.capture.collect(step=step.index, token_offset=step.start) if self.spec is not None else []
         self.capture = None
+        self.steps_read = (step.index + 1, step.end)
         if self.client is None:
             return
-        lens = {}  # prompt index -> its layers' top-k at the last position read
+        # a finished prompt's row is streamed up to its last token, then it is padding, not text
+        windows = {row: (0, position + 1) for row, position in self.last_position.items()}
+        self._stream(records, step.index, windows, {row: step.end - 1 for row in range(len(step.draw.tokens))})
+        self.last_position.update({row: step.end for row in step.finished})
+        self._send_tokens(step)
+
+    def after(self, generation):
+        """Every rank: one final forward over the whole texts, for the positions no step read (each prompt's
+        last token, chosen by the last step that ran for it), so that data frames and PCA cover every token of
+        every prompt exactly once. With no capture: nothing."""
+        if self.spec is None:
+            return
+        steps, read_end = self.steps_read
+        lengths = [len(tokens) for tokens in generation.tokens]
+        if all(length <= read_end for length in lengths):
+            return
+        texts = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+        for row, tokens in enumerate(generation.tokens):
+            texts[row, :len(tokens)] = torch.tensor(tokens)
+        with Capture(self.model, self.spec, self.args) as capture:
+            forward_logits(self.model, texts.to(self.device), 0)
+            records = capture.collect(step=steps, token_offset=0)
+        if self.client is not None:
+            self._stream(records, steps, {row: (read_end, length) for row, length in enumerate(lengths)},
+                         {row: length - 1 for row, length in enumerate(lengths)})
+
+    def _stream(self, records, step, windows, lens_positions):
+        """Rank 0: send ``records`` cut to each prompt's window [first, end) of positions (all when it has
+        none) as data frames, and the logit lens at each prompt's position in ``lens_positions``."""
+        lens = {}  # prompt index -> its layers' top-k
         for record in records:
-            if record.token_start > self.last_position.get(record.prompt_index, record.token_start):
-                continue  # a finished prompt's row: padding, not text
+            record = _within(record, *windows.get(record.prompt_index, (0, None)))
+            if record is None:
+                continue
             if record.hook == "logit_lens":
-                if record.token_start + record.values.shape[0] == step.end:
+                if record.token_start + record.values.shape[0] - 1 == lens_positions[record.prompt_index]:
                     lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
                 continue
             if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
                     and str(record.reduction) == "none":
                 self.pca_vectors.append((record.prompt_index, record.token_start, record.values.numpy()))
-            self.client.send_data(encode_data_frame(record.frame_header(self.id, step.index), record.values))
-        self.last_position.update({row: step.end for row in step.finished})
+            self.client.send_data(encode_data_frame(record.frame_header(self.id, step), record.values))
         for prompt_index, layers in sorted(lens.items()):
-            self.client.send({"type": "logit_lens", "id": self.id, "step": step.index,
+            self.client.send({"type": "logit_lens", "id": self.id, "step": step,
                               "prompt_index": prompt_index, "layers": layers})
-        self._send_tokens(step)
 
     def _send_tokens(self, step):
         text = self.session.encoder.token_text
@@ -118,12 +152,9 @@ class ScopeObserver(NoObserver):
             coords, ratio = pca_2d(vectors)
             points, row = [], 0
             for prompt_index, start, values in self.pca_vectors:
-                for offset in range(values.shape[0]):
-                    position = start + offset
-                    tokens = generation.tokens[prompt_index]
+                for position in range(start, start + values.shape[0]):
                     points.append({"prompt_index": prompt_index, "token_index": position,
-                                   "text": self.session.encoder.token_text(tokens[position])
-                                   if position < len(tokens) else "",
+                                   "text": self.session.encoder.token_text(generation.tokens[prompt_index][position]),
                                    "x": float(coords[row][0]), "y": float(coords[row][1])})
                     row += 1
             self.client.send({"type": "pca", "id": self.id, "hook": self.spec.pca.hook, "layer": self.spec.pca.layer,
@@ -135,6 +166,18 @@ class ScopeObserver(NoObserver):
                                      zip(generation.tokens, generation.prompt_lengths)],
                           "finish_reason": generation.finish_reasons,
                           "dropped_frames": self.client.dropped_total - self.dropped_at_start})
+
+
+def _within(record, first, end):
+    """``record`` cut to positions [first, end) (end None: to its end); None when nothing is left."""
+    stop = record.token_start + record.values.shape[0]
+    start, end = max(record.token_start, first), stop if end is None else min(stop, end)
+    if start >= end:
+        return None
+    if (start, end) == (record.token_start, stop):
+        return record
+    return dataclasses.replace(record, token_start=start,
+                               values=record.values[start - record.token_start:end - record.token_start])
 
 
 _active_perturbations = {}
@@ -183,9 +226,13 @@ class InferenceSession:
         self._control.setdefault(client, {})["cancel"] = True
 
     def take_control(self, client):
-        """Rank 0, between steps: the pending control of ``client``'s generation (and new perturbations)."""
+        """Rank 0, between steps: the pending control of ``client``'s generation (and new perturbations); a
+        cancel once the server is stopping."""
         with self._lock:
-            return self._control.pop(client, None) or None
+            control = self._control.pop(client, None) or None
+        if self.service.stopping:
+            return {**(control or {}), "cancel": True}
+        return control
 
     def _generate(self, client, message):
         request = message
@@ -221,9 +268,7 @@ class InferenceSession:
         job.done.wait()
         with self._lock:
             self._running.pop(client, None)
-            unapplied = self._control.pop(client, None) or {}
-        if "perturbations" in unapplied:  # came after the generation's last step
-            self.service.control({"perturbations": unapplied["perturbations"]})
+            self._control.pop(client, None)  # came after the last step: _perturb queued its control job too
         if job.error is not None:
             log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
             client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
@@ -248,15 +293,16 @@ class InferenceSession:
             self._captures[client] = normalised
             if client in self._running:
                 self._control.setdefault(client, {})["capture"] = normalised
-        client.send({"type": "capture_set", "capture": normalised})
+        client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
 
     def _perturb(self, client, message):
         # Checked here, so a bad one is refused before any rank sees it; every rank gets the normalised form.
         active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
         with self._lock:
-            running = list(self._running)
-            for other in running:
+            for other in self._running:  # from its next step, on the replica that runs it
                 self._control.setdefault(other, {})["perturbations"] = active
-        if not running:
-            self.service.control({"perturbations": active})
+        # Every rank, after the running generation: the other data-parallel replicas too. Where a generation
+        # applied the set already, applying it again puts back the same (seeded) storage noise and restarts
+        # the count of forwards that calculation noise is drawn by, as on the replicas that had not seen it.
+        self.service.control({"perturbations": active})
         self.server.broadcast({"type": "perturbations", "active": active})

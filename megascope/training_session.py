@@ -16,14 +16,15 @@ from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
 from megascope.layer_statistics import LayerStatistics
 from megascope.perturbations import Perturbation, PerturbationSet, parse_perturbations
-from megascope.training_control import TrainingControl
+from megascope.training_control import PAUSED, RUNNING, STOPPING, TrainingControl
 from megascope.welcome import welcome_info
-from megascope.wire import encode_data_frame
+from megascope.wire import echo_id, encode_data_frame
 from megascope.ws_server import WebSocketServer
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import print_rank_0
 
 HEARTBEAT_SECONDS = 1.0
+STATES = {"run": RUNNING, "pause": PAUSED, "stop": STOPPING}  # a decision's action -> the state clients see
 
 
 class TrainingSession:
@@ -55,13 +56,14 @@ class TrainingSession:
     def on_message(self, client, message):
         kind = message["type"]
         if kind == "train":
-            state = self.control.request(message["action"], message["n"])
-            client.send({"type": "training_state", "state": state, "iteration": self.iteration})
+            echo = echo_id(message)
+            self.control.request(message["action"], message["n"], reply=lambda state, iteration: client.send(
+                {"type": "training_state", "state": state, "iteration": iteration, **echo}))
         elif kind == "set_capture":
             spec = self._checked_spec(message["capture"])
             normalised = None if spec is None else spec.to_json()
             self.control.set_pending("capture", normalised)
-            client.send({"type": "capture_set", "capture": normalised})
+            client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
         elif kind == "perturb":
             active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
             self.control.set_pending("perturbations", active)
@@ -88,12 +90,16 @@ class TrainingSession:
         self.iteration = iteration
         while True:
             decision = [None]
+            replies = []
             if self.is_server:
-                decision[0] = {**self.control.decide(finished_iteration), "stream": self._has_client()}
+                decided, replies = self.control.decide(finished_iteration)
+                decision[0] = {**decided, "stream": self._has_client()}
             if self.group.size() > 1:  # alone, the broadcast would only cost its hand-off (about 1 ms)
                 torch.distributed.broadcast_object_list(decision, src=0, group=self.group)
             decision = decision[0]
             self._apply(decision)
+            for reply in replies:  # the last iteration completed: the one the state applies after
+                reply(STATES[decision["action"]], iteration)
             if decision["action"] != "pause":
                 return decision["action"]
             finished_iteration = False
@@ -111,8 +117,8 @@ class TrainingSession:
             self.streaming = decision["stream"]
             self.statistics.install() if self.streaming else self.statistics.remove()
         if decision["paused_by_step"] or decision["action"] == "stop":
-            self._broadcast({"type": "training_state", "state": "paused" if decision["action"] == "pause"
-                             else "stopping", "iteration": self.iteration})
+            self._broadcast({"type": "training_state", "state": STATES[decision["action"]],
+                             "iteration": self.iteration})
 
     def _broadcast(self, message):
         if self.server is not None:
@@ -173,6 +179,9 @@ class TrainingSession:
             self.args.train_iters = iteration  # the loop ends here and saves a checkpoint when --save is set
 
     def close(self):
+        if self.control is not None:
+            for reply in self.control.take_unanswered():  # came after the last control point
+                reply(STOPPING, self.iteration)
         self.perturbations.clear()
         self.statistics.remove()
         if self.server is not None:

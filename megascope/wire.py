@@ -231,6 +231,24 @@ def error_message(code, message, field=None, id=None):
     return frame
 
 
+def sent_id(data):
+    """The ``id`` a client's text frame carries when it is a valid one, whatever else is wrong with the frame
+    (so an error frame can echo it), else None."""
+    if isinstance(data, bytes):
+        return None
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return None
+    value = obj.get("id") if isinstance(obj, dict) else None
+    return value if _KIND_CHECKS["id"][0](value) else None
+
+
+def echo_id(message):
+    """{"id": ...} of a checked message that carried one (every reply to it echoes it), else {}."""
+    return {"id": message["id"]} if "id" in message else {}
+
+
 def error_from(exception, id=None):
     return error_message(exception.code, exception.message, exception.field, id)
 

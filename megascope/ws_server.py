@@ -30,7 +30,8 @@ from websockets.asyncio.server import serve
 
 from megascope.errors import ProtocolError
 from megascope.wire import (INFERENCE_TYPES, PROTOCOL_VERSION, TRAINING_TYPES, Limits, encode_message,
-                            error_from, error_message, parse_message)
+                            echo_id, error_from, error_message, parse_message,
+                            sent_id)
 from megatron.training.errors import UserError
 
 log = logging.getLogger("megascope.ws")
@@ -204,7 +205,8 @@ class WebSocketServer:
             async for data in connection:
                 if not rate.allow():
                     client.send(error_message("rate_limited", "too many messages; at most "
-                                              f"{self.limits.max_messages_per_second} per second"))
+                                              f"{self.limits.max_messages_per_second} per second",
+                                              id=sent_id(data)))
                     continue
                 if not await self._dispatch(client, data):
                     break
@@ -218,7 +220,8 @@ class WebSocketServer:
                 self.session.on_disconnect(client)
 
     async def _dispatch(self, client, data):
-        """Answer one frame; False when the connection must close (a token error)."""
+        """Answer one frame; False when the connection must close (a token error). Every error frame echoes
+        the frame's id, also when the frame failed validation (then ``message`` is None)."""
         message = None
         try:
             message = parse_message(data, self.types)
@@ -227,15 +230,15 @@ class WebSocketServer:
             if not client.welcomed:
                 raise ProtocolError("unauthorized", "send hello first", "type")
             if message["type"] == "ping":
-                client.send({"type": "pong", **_echo(message)})
+                client.send({"type": "pong", **echo_id(message)})
             else:
                 self.session.on_message(client, message)
         except ProtocolError as error:
-            client.send(error_from(error, (message or {}).get("id")))
+            client.send(error_from(error, sent_id(data)))
         except Exception:  # a server bug: report it, keep serving
             log.exception("MegaScope: failure while handling a %s message", (message or {}).get("type"))
             client.send(error_message("internal", "the server failed on this message; see the server log",
-                                      id=(message or {}).get("id")))
+                                      id=sent_id(data)))
         return True
 
     async def _hello(self, client, message):
@@ -251,9 +254,5 @@ class WebSocketServer:
             return False
         client.welcomed = True
         client.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "mode": self.session.mode,
-                     **self.session.welcome_info(), "limits": self.limits.as_json(), **_echo(message)})
+                     **self.session.welcome_info(), "limits": self.limits.as_json(), **echo_id(message)})
         return True
-
-
-def _echo(message):
-    return {"id": message["id"]} if "id" in message else {}

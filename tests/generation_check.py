@@ -16,6 +16,7 @@ import pretrain_gpt  # noqa: E402
 from megatron.inference.engine import GenerationEngine  # noqa: E402
 from megatron.inference.greedy import greedy_generate  # noqa: E402
 from megatron.inference.model_setup import setup_for_generation  # noqa: E402
+from megatron.inference.replicas import generate_share  # noqa: E402
 from megatron.inference.sampling import SamplingParams  # noqa: E402
 from megatron.training.initialize import shutdown  # noqa: E402
 
@@ -35,6 +36,12 @@ def main():
                          "plain": SamplingParams(random_seed=3, tokens_to_generate=new, logprobs=True)}.items():
         result = engine.generate(MIXED_LENGTHS, params)
         results[name] = {"tokens": result.tokens, "finish": result.finish_reasons, "logprobs": result.logprobs}
+    # The server's data-parallel path: each replica generates its share, rank 0 gathers them
+    shared = generate_share(engine, MIXED_LENGTHS, SamplingParams(random_seed=3, tokens_to_generate=new,
+                                                                  logprobs=True), None)
+    # Prompt 1 alone, as the second prompt of its request: the tokens it has in the whole batch
+    alone = engine.generate(MIXED_LENGTHS[1:2], SamplingParams(random_seed=3, tokens_to_generate=new, first_prompt=1))
+    results["alone"] = alone.tokens
     # The same generations on megatron-core's inference path (the default runs on the static cache where it can).
     megatron_path = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, args.max_position_embeddings,
                                      args.device, static_cache=False)
@@ -43,6 +50,7 @@ def main():
     plain = megatron_path.generate(MIXED_LENGTHS, SamplingParams(random_seed=3, tokens_to_generate=new, logprobs=True))
     results["megatron_path"]["plain"] = {"tokens": plain.tokens, "logprobs": plain.logprobs}
     if torch.distributed.get_rank() == 0:
+        results["shared"] = {"tokens": shared.tokens, "logprobs": shared.logprobs}
         with open(os.environ["GENERATION_CHECK_OUT"], "w") as f:
             json.dump(results, f)
     shutdown()

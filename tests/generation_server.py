@@ -2,12 +2,14 @@
 
 import asyncio
 import json
+import os
 import re
 import subprocess
 import threading
 import urllib.error
 import urllib.request
 
+import psutil
 from websockets.asyncio.client import connect
 
 from launch import REPO, child_env, kill_process_tree, torchrun_command
@@ -21,7 +23,8 @@ TINY_SERVER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-head
 
 
 class GenerationServer:
-    """A running server: ``rest`` (http://...) and ``ws`` (ws://...) once it listens; ``stop()`` kills it."""
+    """A running server: ``rest`` (http://...), ``ws`` (ws://...) and ``rank0`` (rank 0's pid) once it listens;
+    ``stop()`` kills it, ``interrupt(signal)`` stops it as a user or a scheduler would."""
 
     def __init__(self, nproc, args, timeout=300, command=None, env=None):
         """torchrun of the server with ``args`` on ``nproc`` ranks, or ``command`` (e.g. an example script)."""
@@ -31,20 +34,44 @@ class GenerationServer:
                                     stderr=subprocess.STDOUT, text=True)
         self.lines = []
         self._listening = threading.Event()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._new_line = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         if not self._listening.wait(timeout) or self.job.poll() is not None:
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.lines[-40:]))
         output = "".join(self.lines)
         self.rest = re.search(r"REST API on (http://\S+)/api", output).group(1)
         self.ws = re.search(r"MegaScope WebSocket on (ws://\S+)", output).group(1)
+        self.rank0 = int(re.search(r"server pid (\d+)", output).group(1))
 
     def _read(self):
         for line in self.job.stdout:
-            self.lines.append(line)
-            if "MegaScope WebSocket on" in line:
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
+            if line.startswith("server pid "):  # rank 0's last line once it serves
                 self._listening.set()
         self._listening.set()  # exited
+
+    def logged(self, text, timeout=60):
+        """Whether a line holding ``text`` is in the output, or comes within ``timeout`` seconds."""
+        with self._new_line:
+            return self._new_line.wait_for(lambda: any(text in line for line in self.lines), timeout)
+
+    def interrupt(self, signum, pid=None, timeout=120):
+        """Send ``signum`` to ``pid`` (default: the launched process) and wait until the job and all its
+        processes have ended: (exit code, the output since the signal, the processes still alive)."""
+        processes = psutil.Process(self.job.pid).children(recursive=True)
+        seen = len(self.lines)
+        os.kill(pid or self.job.pid, signum)
+        try:
+            self.job.wait(timeout=timeout)
+            alive = psutil.wait_procs(processes, timeout=timeout)[1]
+            self._reader.join(timeout=timeout)
+        finally:
+            self.stop()
+        return self.job.returncode, "".join(self.lines[seen:]), alive
 
     def stop(self):
         if self.job.poll() is None:

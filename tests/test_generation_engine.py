@@ -1,7 +1,8 @@
 """The KV-cache generation engine (megatron/inference/engine.py) under torchrun with gloo: greedy equals the
 no-cache greedy loop, the static-cache path equals megatron-core's inference path (also for a Llama-like
 architecture), and a fixed seed draws the same tokens (and log-probabilities) at TP1, TP2, PP2, TP2xPP2
-and with two data-parallel replicas."""
+and with two data-parallel replicas, also when each replica generates a share of the prompts (each prompt
+draws from its own stream: alone it gets the tokens it has in the batch)."""
 
 import json
 
@@ -64,6 +65,11 @@ def test_same_seed_same_tokens_at_every_layout(generations):
             assert result[sampling]["finish"] == ["length"] * 3
         for ours, theirs in zip(result["plain"]["logprobs"], reference["plain"]["logprobs"]):
             assert ours == pytest.approx(theirs, abs=1e-4), name
+        # the server's DP path (at dp2 each replica generates a share) and prompt 1 alone: the same tokens
+        assert result["shared"]["tokens"] == reference["plain"]["tokens"], name
+        for ours, theirs in zip(result["shared"]["logprobs"], reference["plain"]["logprobs"]):
+            assert ours == pytest.approx(theirs, abs=1e-4), name
+        assert result["alone"] == reference["plain"]["tokens"][1:2], name
     lengths = [len(tokens) for tokens in reference["plain"]["tokens"]]
     assert lengths == [3 + 12, 7 + 12, 2 + 12]  # mixed prompt lengths, 12 new tokens each
     assert [len(values) for values in reference["plain"]["logprobs"]] == [n - 1 for n in lengths]

@@ -122,15 +122,25 @@ def test_pause_step_resume_stop_capture_and_perturb_between_iterations(tmp_path)
         headers = [json.loads(frame[8:8 + int.from_bytes(frame[4:8], "little")]) for frame in frames]
         assert sorted(h["hook"] for h in headers) == [f"blocks.{layer}.resid_post" for layer in range(4)]
         assert all(h["step"] == 3 and h["prompt_index"] == 3 and h["shape"] == [32, 4] for h in headers), json.dumps(headers[0])
-        job.send({"type": "train", "action": "resume"})
+        job.send({"type": "train", "action": "resume", "id": "r"})
         running = job.until(lambda m: m["type"] == "iteration")
+        assert [(m["id"], m["iteration"]) for m in running if isinstance(m, dict) and m["type"] == "training_state"] \
+            == [("r", 3)]  # resumed after iteration 3
+        # pause mid-run: the reply names the last iteration completed, the one a following step 1 goes on from
+        job.send({"type": "train", "action": "pause", "id": "p"})
+        running += job.until(lambda m: m["type"] == "training_state" and m.get("id") == "p")
+        paused = running[-1]
+        assert paused["state"] == "paused" and paused["iteration"] == _iterations(running)[-1]
+        job.send({"type": "train", "action": "step", "n": 1})
+        after_pause = job.until(_paused)
+        assert _iterations(after_pause) == [paused["iteration"] + 1] == [after_pause[-1]["iteration"]]
         job.send({"type": "train", "action": "stop"})
-        rest = job.until(lambda m: m["type"] == "training_state" and m["state"] == "stopping")
+        rest = after_pause + job.until(lambda m: m["type"] == "training_state" and m["state"] == "stopping")
         code, output = job.finish()
         assert code == 0, output[-3000:]
         stopped_at = int((tmp_path / "ckpt/latest_checkpointed_iteration.txt").read_text())
-        assert _iterations(running + rest) == list(range(4, _iterations(running + rest)[-1] + 1))
-        assert 4 <= stopped_at < 200 and f"saved checkpoint at iteration {stopped_at}" in output
+        assert _iterations(running + rest) == list(range(4, paused["iteration"] + 2))
+        assert stopped_at == paused["iteration"] + 1 and f"saved checkpoint at iteration {stopped_at}" in output
     finally:
         job.close()
 

@@ -68,14 +68,20 @@ def test_errors_keep_the_connection_usable():
             assert json.loads(await ws.recv())["code"] == "unauthorized"
             welcome = await hello(ws, id=7)
             assert welcome["type"] == "welcome" and welcome["id"] == 7 and welcome["limits"]["max_prompts"] == 16
-            cases = [("{oops", "bad_json", None), ('{"type": "teleport"}', "unknown_type", "type"),
-                     ('{"type": "generate", "id": 3, "prompts": "hi"}', "bad_field", "prompts"),
-                     ('{"type": "train", "action": "pause"}', "unknown_type", "type"),
-                     ('{"type": "set_capture", "capture": {}}', "bad_field", "type")]
-            for text, code, field in cases:
+            # (frame, code, field, id): every error frame echoes a valid id the frame carried, also when the
+            # frame itself failed validation; an invalid id is not echoed
+            cases = [("{oops", "bad_json", None, None), ('{"type": "teleport", "id": "t"}', "unknown_type", "type", "t"),
+                     ('{"type": "generate", "id": 3, "prompts": "hi"}', "bad_field", "prompts", 3),
+                     ('{"type": "generate", "id": "g", "prompts": ["hi"], "top_k": 2, "top_p": 0.5}', "bad_field",
+                      "top_p", "g"),
+                     ('{"type": "train", "id": 4, "action": "pause"}', "unknown_type", "type", 4),
+                     ('{"type": "set_capture", "id": "s", "capture": {}}', "bad_field", "type", "s"),
+                     ('{"type": "ping", "id": [1]}', "bad_field", "id", None)]
+            for text, code, field, id in cases:
                 await ws.send(text)
                 error = json.loads(await ws.recv())
-                assert (error["type"], error["code"], error.get("field")) == ("error", code, field), text
+                assert (error["type"], error["code"], error.get("field"), error.get("id")) == \
+                    ("error", code, field, id), text
             await ws.send(b"\x00\x01")
             assert json.loads(await ws.recv())["code"] == "bad_json"
             await ws.send('{"type": "ping", "id": "p"}')
@@ -110,11 +116,12 @@ def test_rate_limit():
     async def client():
         async with connect(f"ws://127.0.0.1:{server.port}") as ws:
             await hello(ws)
-            for _ in range(40):
-                await ws.send('{"type": "ping"}')
+            for number in range(40):
+                await ws.send(json.dumps({"type": "ping", "id": number}))
             replies = [json.loads(await ws.recv()) for _ in range(40)]
-            assert {"type": "pong"} in replies
-            assert any(reply.get("code") == "rate_limited" for reply in replies)
+            assert {"type": "pong", "id": 0} in replies
+            refused = [reply for reply in replies if reply.get("code") == "rate_limited"]
+            assert refused and sorted(reply["id"] for reply in replies) == list(range(40))  # each names its ping
 
     run(client())
     server.stop()

@@ -2,7 +2,11 @@
 one rank and over a pipeline of two; bad requests get a 400 or an error frame naming the field and the
 server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it."""
 
+import asyncio
 import json
+import re
+import signal
+import sys
 import urllib.error
 import urllib.request
 
@@ -12,7 +16,7 @@ import websockets
 
 from megascope.wire import decode_data_frame
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
-from launch import REPO, run_script
+from launch import REPO, free_port, run_script
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]
@@ -86,12 +90,14 @@ def test_websocket_errors_and_the_server_goes_on(server):
             assert (await receive(ws))["code"] == "unauthorized"  # hello first
             await welcomed(ws)
             for text, code, field in [("{oops", "bad_json", None), ('{"type": "warp"}', "unknown_type", "type"),
-                                      ('{"type": "generate", "prompts": [3]}', "bad_field", "prompts"),
-                                      ('{"type": "generate", "prompts": ["x"], "top_k": 99999}', "bad_field", "top_k"),
+                                      ('{"type": "generate", "id": 1, "prompts": [3]}', "bad_field", "prompts"),
+                                      ('{"type": "generate", "id": 2, "prompts": ["x"], "top_k": 99999}',
+                                       "bad_field", "top_k"),
                                       ('{"type": "cancel", "id": "nothing"}', "bad_field", "id")]:
                 await ws.send(text)
                 error = await receive(ws)
                 assert (error["type"], error["code"], error.get("field")) == ("error", code, field), text
+                assert error.get("id") == json.loads(text).get("id") if text != "{oops" else "id" not in error
             await send(ws, {"type": "ping", "padding": "x" * 5000})  # over --ws-max-message-bytes
             with pytest.raises(websockets.ConnectionClosed) as closed:
                 await receive(ws)
@@ -161,7 +167,10 @@ def positions_read(messages):
 
 
 def expected_frames(messages):
-    return sum(positions_read(messages)[0]) * 2 * 2  # x hooks x layers
+    """Per hook and layer: a frame per step that read a prompt's tokens, and one of the final pass for each
+    prompt whose last token no step read (the longest ones: no later step goes on)."""
+    steps, lengths = positions_read(messages)
+    return (sum(steps) + lengths.count(max(lengths))) * 2 * 2  # x hooks x layers
 
 
 def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
@@ -209,22 +218,50 @@ def test_perturbations_change_the_tokens_and_removing_them_restores_them(server)
     assert (refusal["code"], refusal["field"]) == ("bad_field", "perturbations.0.noise")
 
 
-def test_pca_of_a_hook_over_every_token(server):
+def _early_stop_token(generated):
+    """A token that ends one prompt's greedy continuation early while the other one goes on: (row, token)."""
+    for row, other in ((0, 1), (1, 0)):
+        for index, token in enumerate(generated[row][:-2]):
+            if token not in generated[row][:index] and token not in generated[other]:
+                return row, token
+    raise AssertionError(f"no token stops one prompt early: {generated}")
+
+
+def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(server):
+    capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
+
     async def client():
         async with websocket(server) as ws:
             await welcomed(ws)
-            capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
-            return (await generation(ws, {"type": "generate", "capture": capture, **GREEDY}))[0]
-    messages = run(client())
+            plain = (await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"]
+            row, stop = _early_stop_token(plain)
+            request = {"type": "generate", "capture": capture, "stop_tokens": [stop], **GREEDY}
+            return row, await generation(ws, request)
+    stopped_row, (messages, frames) = run(client())
     pca = next(message for message in messages if message["type"] == "pca")
-    done = messages[-1]
-    started = messages[0]
-    steps, lengths = positions_read(messages)
-    shortest = min(len(prompt) for prompt in started["prompt_tokens"])
-    assert len(pca["points"]) == sum(shortest - 1 + n for n in steps)  # every token read, no padding
-    assert all(point["token_index"] < lengths[point["prompt_index"]] for point in pca["points"])
-    assert done["type"] == "generation_done"
-    assert 0 < sum(pca["explained_variance"]) <= 1 + 1e-6 and pca["explained_variance"][0] >= pca["explained_variance"][1]
+    started, done = messages[0], messages[-1]
+    assert done["finish_reason"][stopped_row] == "stop" and done["finish_reason"][1 - stopped_row] == "length"
+    texts = [[token["id"] for token in prompt] + generated
+             for prompt, generated in zip(started["prompt_tokens"], done["tokens"])]
+    # the vectors streamed for the PCA hook: every token of each prompt exactly once, nothing after its end
+    vectors = {}
+    for header, values in map(decode_data_frame, frames):
+        if header["hook"] == "blocks.2.resid_post":
+            for offset, position in enumerate(range(*header["tokens"])):
+                assert (header["prompt_index"], position) not in vectors
+                vectors[(header["prompt_index"], position)] = values[offset].astype(np.float64)
+    real = [(prompt, position) for prompt, text in enumerate(texts) for position in range(len(text))]
+    assert sorted(vectors) == real
+    assert [(point["prompt_index"], point["token_index"]) for point in pca["points"]] == real
+    data = np.stack([vectors[key] for key in real])
+    centred = data - data.mean(axis=0)
+    _, singular, right = np.linalg.svd(centred, full_matrices=False)
+    want = centred @ right[:2].T
+    got = np.array([[point["x"], point["y"]] for point in pca["points"]])
+    got *= np.sign((got * want).sum(axis=0))  # a component's sign is a convention
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())  # the wire's float16 values
+    np.testing.assert_allclose(pca["explained_variance"], singular[:2] ** 2 / (singular ** 2).sum(), atol=2e-3)
+    assert pca["explained_variance"][0] >= pca["explained_variance"][1]
 
 
 def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
@@ -267,6 +304,89 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
                   "topk": 5, "logit_lens": False, "pca": None, "sample": 0}  # every default filled in
     assert {"type": "capture_set", "capture": normalised} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
+
+
+def set_perturbations(server, perturbations, token=None):
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            await send(ws, {"type": "perturb", "perturbations": perturbations})
+            assert (await receive(ws))["type"] == "perturbations"
+    run(client())
+
+
+def test_data_parallel_replicas_share_a_requests_prompts_and_answer_as_one_replica(server):
+    request = {**SAMPLED, "prompts": [*PROMPTS, "Once upon a time", "x"], "logprobs": True}
+    perturbed_request = {**GREEDY, "prompts": request["prompts"]}
+    reference = server.put(request)[1]
+    set_perturbations(server, [NOISE], TOKEN)
+    try:
+        perturbed_reference = server.put(perturbed_request)[1]
+    finally:
+        set_perturbations(server, [], TOKEN)
+    replicas = GenerationServer(2, TINY_SERVER)  # DP 2: the first replica takes prompts 0-1, the second 2-3
+    try:
+        status, answer = replicas.put(request)
+        assert status == 200 and answer["tokens"] == reference["tokens"], answer
+        assert replicas.logged("replica 0 of 2: prompts [0, 2) of 4"), "".join(replicas.lines)
+        assert replicas.logged("replica 1 of 2: prompts [2, 4) of 4"), "".join(replicas.lines)
+        assert answer["finish_reason"] == reference["finish_reason"] and answer["text"] == reference["text"]
+        for ours, theirs in zip(answer["logprobs"], reference["logprobs"]):
+            assert ours == pytest.approx(theirs, abs=1e-4)
+        # a WebSocket generation runs on the first replica: the tokens of the one-replica server
+        assert websocket_tokens(replicas, SAMPLED)[-1]["tokens"] == websocket_tokens(server, SAMPLED)[-1]["tokens"]
+        # perturbations set over the WebSocket reach both replicas
+        set_perturbations(replicas, [NOISE])
+        assert replicas.put(perturbed_request)[1]["tokens"] == perturbed_reference["tokens"]
+    finally:
+        replicas.stop()
+
+
+def _refuses_connections(url):
+    try:
+        urllib.request.urlopen(url, timeout=60)
+    except urllib.error.URLError as error:
+        return isinstance(error.reason, ConnectionRefusedError)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_generation_stops_a_single_process_server_with_one_line(signum):
+    command = [sys.executable, str(REPO / "tools/run_text_generation_server.py"), *TINY_SERVER,
+               "--port", "0", "--enable-ws-server", "--ws-port", "0"]
+    single = GenerationServer(0, [], command=command, env={"MASTER_PORT": str(free_port())})
+    try:
+        async def client():
+            async with websocket(single) as ws:
+                await send(ws, {"type": "hello", "protocol": 1})
+                assert (await receive(ws))["type"] == "welcome"
+                await send(ws, {"type": "generate", "prompts": ["Once"], "tokens_to_generate": 50})
+                assert (await receive(ws))["type"] == "generation_started"
+                assert (await receive(ws))["type"] == "token"
+                stopped = asyncio.get_running_loop().run_in_executor(None, single.interrupt, signum)
+                with pytest.raises(websockets.ConnectionClosed):  # the server closes the connection
+                    while True:
+                        await receive(ws)
+                return await stopped
+        code, output, alive = run(client())
+    finally:
+        single.stop()
+    assert (code, output.splitlines(), alive) == (0, ["server stopped"], []), output
+    assert _refuses_connections(single.rest + "/api")
+
+
+def test_torchrun_ranks_stop_together_when_rank_0_or_torchrun_gets_the_signal():
+    for target in ("rank 0", "torchrun"):
+        server = GenerationServer(2, TINY_SERVER + ["--tensor-model-parallel-size", "2"])
+        code, output, alive = server.interrupt(signal.SIGTERM, server.rank0 if target == "rank 0" else None)
+        assert alive == [] and output.count("server stopped") == 1, output
+        assert not re.search(r"\[rank\d\]", output), output  # no rank says anything else (no stack trace)
+        if target == "rank 0":  # torchrun sees every rank exit 0
+            assert code == 0 and output.splitlines() == ["server stopped"], output
+        else:  # torchrun reports the signal it received in its own words
+            assert "SignalException" in output, output
+        assert _refuses_connections(server.rest + "/api")
 
 
 def test_a_bad_flag_is_one_line_and_exit_code_2():

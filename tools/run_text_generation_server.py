@@ -3,15 +3,18 @@
     torchrun --nproc_per_node N tools/run_text_generation_server.py <model flags> --load CKPT \\
         --tokenizer-type ... [--port 5000] [--enable-ws-server [--ws-host 127.0.0.1] [--ws-port 5001] [--ws-token T]]
 
-Every rank runs the model at its TP/PP (DP replicas run the same requests); rank 0 serves the REST API
+Every rank runs the model at its TP/PP (DP replicas share a REST request's prompts); rank 0 serves the REST API
 (PUT /api) and, with --enable-ws-server, the WebSocket of docs/megascope_protocol.md.
-Without --load the model keeps its seeded initialization.
+Without --load the model keeps its seeded initialization. SIGINT or SIGTERM (Ctrl-C; torchrun passes the
+signal on to every rank) stops every rank after the step in progress: "server stopped", exit code 0.
 """
 
 import functools
 import logging
 import os
+import signal
 import sys
+import threading
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
@@ -71,6 +74,7 @@ def _start_websocket(args, service, encoder, model, limits):
     origins = [origin.strip() for origin in args.ws_allowed_origins.split(",") if origin.strip()]
     session.server = WebSocketServer(session, args.ws_host, args.ws_port, args.ws_token, limits, origins).start()
     print(f"MegaScope WebSocket on ws://{args.ws_host}:{session.server.port}", flush=True)
+    return session.server
 
 
 def _observer_factory(args, model):
@@ -86,8 +90,26 @@ def _apply_control(args, model, payload):
         apply_perturbations(model, args, payload["perturbations"])
 
 
+def _stop_on_signals(service):
+    """SIGINT/SIGTERM on rank 0: stop the service, whose stop job ends every rank's loop."""
+    def stop(signum, frame):
+        # From a thread: the handler runs on the main thread, which may hold the job queue's lock.
+        threading.Thread(target=service.stop, name="stop", daemon=True).start()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, stop)
+
+
+def _leave_signals_to_rank_0():
+    """The other ranks ignore SIGINT/SIGTERM from the start (torchrun signals every rank, maybe while one
+    still sets up): they must not leave a collective half done, and rank 0's stop ends their loop."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+
+
 @exit_on_user_error
 def main():
+    _leave_signals_to_rank_0()
     args, model, tokenizer = setup_for_generation(sys.argv[1:], "run_text_generation_server.py",
                                                   pretrain_gpt.model_provider, extra_args_provider=_server_args,
                                                   check_args=_check)
@@ -97,8 +119,11 @@ def main():
     service = GenerationService(engine, device, _observer_factory(args, model),
                                 functools.partial(_apply_control, args, model))
     rank = torch.distributed.get_rank()
+    rest = websocket = None
     if rank == 0:
+        _stop_on_signals(service)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        logging.getLogger("websockets.server").setLevel(logging.WARNING)  # our own lines say where it listens
         limits = Limits(max_message_bytes=args.ws_max_message_bytes,
                         max_messages_per_second=args.ws_max_messages_per_second,
                         send_queue_frames=args.ws_send_queue_frames,
@@ -111,9 +136,17 @@ def main():
                             "pick a free port") from None
         print(f"REST API on http://{args.host}:{rest.server_address[1]}/api (PUT)", flush=True)
         if args.enable_ws_server:
-            _start_websocket(args, service, encoder, model, limits)
+            websocket = _start_websocket(args, service, encoder, model, limits)
+        print(f"server pid {os.getpid()}: Ctrl-C or kill -INT {os.getpid()} stops every rank", flush=True)
     service.serve_forever(rank)
+    if rest is not None:  # rank 0: close the listening sockets and the clients' connections
+        rest.shutdown()
+        rest.server_close()
+    if websocket is not None:
+        websocket.stop()
     shutdown()
+    if rank == 0:
+        print("server stopped", flush=True)
 
 
 if __name__ == "__main__":

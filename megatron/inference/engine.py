@@ -10,9 +10,10 @@ different lengths share one batch as in Megatron-LM: the prefill reads the short
 step reads one position of every row; a row still inside its prompt takes its prompt token, the others take the
 sampled one.
 
-Every rank calls ``generate`` with the same arguments. The last pipeline stage draws the tokens and
-broadcasts them (with their probabilities) to the stages before it. Between steps rank 0 may hand a
-small control message (cancel, a new capture, perturbations) to every rank, so all ranks agree.
+Every rank of a data-parallel replica calls ``generate`` with the same arguments. The last pipeline stage
+draws the tokens and broadcasts them (with their probabilities) to the stages before it. Between steps the
+replica's first rank (global rank 0 for the first replica) may hand a small control message (cancel, a new
+capture, perturbations) to every rank of the replica, so they all agree.
 """
 
 import contextlib
@@ -24,7 +25,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.utils import unwrap_model
 
 from megatron.inference.greedy import logits as forward_logits
-from megatron.inference.sampling import Draw, draw
+from megatron.inference.sampling import Draw, draw, prompt_generators
 from megatron.inference.static_cache import StaticCacheModel, supports
 
 
@@ -62,7 +63,7 @@ class NoObserver:
 
     def apply(self, control):
         """Every rank: act on rank 0's control message; True stops the generation (cancel)."""
-        return False
+        return bool(control and control.get("cancel"))
 
     def forward(self, index, start, end):
         """Every rank: a context around one step's forward (where capture hooks live)."""
@@ -71,6 +72,9 @@ class NoObserver:
     def step_done(self, step):
         """Every rank, inside ``forward``'s context, once the step's tokens are known."""
 
+    def after(self, generation):
+        """Every rank, after the last step (still in inference mode): the last tokens chosen were never read."""
+
 
 def agree(obj, device):
     """Rank 0's ``obj`` on every rank (nothing to send in a one-process job)."""
@@ -78,6 +82,17 @@ def agree(obj, device):
         return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src=0, device=device)
+    return box[0]
+
+
+def agree_in_replica(poll, device):
+    """``poll()`` of the first rank of this data-parallel replica (global rank 0 for the first) on every rank
+    of the replica: replicas generate different prompts, so they never wait on each other."""
+    group = parallel_state.get_model_parallel_group()
+    ranks = torch.distributed.get_process_group_ranks(group)
+    box = [poll() if torch.distributed.get_rank() == ranks[0] else None]
+    if len(ranks) > 1:
+        torch.distributed.broadcast_object_list(box, src=ranks[0], group=group, device=device)
     return box[0]
 
 
@@ -104,7 +119,7 @@ class GenerationEngine:
         tokens = torch.zeros(batch, total + 1, dtype=torch.long)  # a spare column: the last step's choice
         for row, prompt in enumerate(prompts):
             tokens[row, :len(prompt)] = torch.tensor(prompt)
-        generator = torch.Generator().manual_seed(params.random_seed)
+        generators = prompt_generators(params, batch)
         stops = {self.eod, *params.stop_tokens}
         generated = [0] * batch
         finish = [None if params.tokens_to_generate > 0 else "length" for _ in prompts]
@@ -113,8 +128,7 @@ class GenerationEngine:
         cache = self._static_cache(batch, total, observer) or StaticInferenceContext(batch, total)
         start, position, index = 0, min(lengths), 0
         while True:
-            if observer.apply(agree(observer.poll() if torch.distributed.get_rank() == 0 else None,
-                                    self.device)):
+            if observer.apply(agree_in_replica(observer.poll, self.device)):
                 finish = [reason or "cancelled" for reason in finish]
                 break
             inputs = tokens[:, start:position].to(self.device)
@@ -126,7 +140,7 @@ class GenerationEngine:
                 # A row still inside its prompt reads its prompt token (and reports its probabilities).
                 forced = torch.tensor([int(tokens[row, position]) if position < lengths[row] else -1
                                        for row in range(batch)])
-                chosen = self._draw(step_logits, params, generator, forced)
+                chosen = self._draw(step_logits, params, generators, forced)
                 sampled = [row for row in range(batch) if finish[row] is None and position >= lengths[row]]
                 for row in sampled:
                     token = int(chosen.tokens[row])
@@ -150,8 +164,10 @@ class GenerationEngine:
             if position >= total or (all(finish) and not reading_prompts):
                 break
         finish = [reason or "length" for reason in finish]  # the model's length ran out first
-        return Generation(tokens=[tokens[row, :lengths[row] + generated[row]].tolist() for row in range(batch)],
-                          prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs)
+        generation = Generation(tokens=[tokens[row, :lengths[row] + generated[row]].tolist() for row in range(batch)],
+                                prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs)
+        observer.after(generation)
+        return generation
 
     def _static_cache(self, batch, total, observer):
         """A ``StaticCacheModel`` for this generation, or None for megatron-core's inference path (pipeline stages,
@@ -197,12 +213,12 @@ class GenerationEngine:
             values = step_logits[:, :-1].log_softmax(dim=-1).gather(-1, inputs[:, 1:, None]).squeeze(-1)
         return self._from_last_stage(values, (inputs.shape[0], inputs.shape[1] - 1), torch.float32).cpu()
 
-    def _draw(self, step_logits, params, generator, forced):
+    def _draw(self, step_logits, params, generators, forced):
         """The last stage draws; every stage receives the draw, packed in one float64 tensor."""
         batch, k = forced.shape[0], min(params.topk_report, self.vocab_size)
         packed = None
         if step_logits is not None:
-            chosen = draw(step_logits[:, -1], params, generator, forced)
+            chosen = draw(step_logits[:, -1], params, generators, forced)
             if parallel_state.get_pipeline_model_parallel_world_size() == 1:
                 return chosen
             packed = torch.cat([chosen.tokens[:, None].double(), chosen.probs[:, None].double(),

@@ -1,8 +1,12 @@
 """Choosing the next token: temperature, then top-k or top-p, then a seeded draw (Megatron-LM's order).
 
-Sampling runs on CPU in float32 with a ``torch.Generator`` seeded by the request, over logits that
-every layout computes alike (gathered over tensor parallelism, cut to the tokenizer's vocabulary), so the
-same seed draws the same tokens at every TP/PP/DP layout and on CPU or GPU.
+Sampling runs on CPU in float32 over logits that every layout computes alike (gathered over tensor
+parallelism, cut to the tokenizer's vocabulary), so the same seed draws the same tokens at every TP/PP/DP
+layout and on CPU or GPU. Each prompt of a request draws from a stream of its own (``prompt_generators``):
+prompt i's generator is seeded ``random_seed + i * 2**31`` (distinct for every seed and index, as seeds are
+below 2**31; prompt 0 uses the seed itself) and advances once per token sampled for that prompt, never for
+a prompt token being read. So a prompt's tokens do not depend on the other prompts of its batch, which lets
+data-parallel replicas each generate a share of a request's prompts and still give the one-replica answer.
 """
 
 from dataclasses import dataclass
@@ -20,6 +24,7 @@ class SamplingParams:
     tokens_to_generate: int = 32
     topk_report: int = 5  # how many candidates of the sampled distribution each step reports
     logprobs: bool = False
+    first_prompt: int = 0  # the request's index of the first prompt generated here (a replica's share)
 
 
 @dataclass
@@ -51,14 +56,20 @@ def sampling_distribution(logits, params):
     return scaled.softmax(dim=-1)
 
 
-def draw(logits, params, generator, forced=None):
-    """Sample one token per row of ``logits`` [b, vocab]; rows where ``forced`` [b] is >= 0 take that token
-    (a prompt token still being read) and report its probabilities instead."""
+def prompt_generators(params, count):
+    """One generator per prompt of ``count`` prompts starting at the request's ``params.first_prompt``."""
+    return [torch.Generator().manual_seed(params.random_seed + (params.first_prompt + row) * 2**31)
+            for row in range(count)]
+
+
+def draw(logits, params, generators, forced=None):
+    """Sample one token per row of ``logits`` [b, vocab], row r from ``generators[r]``; rows where ``forced``
+    [b] is >= 0 take that token (a prompt token still being read), draw nothing and report its probabilities."""
     logits = logits.float().cpu()
     probs = sampling_distribution(logits, params)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-    if forced is not None:
-        tokens = torch.where(forced >= 0, forced.cpu(), tokens)
+    tokens = torch.full((probs.shape[0],), -1, dtype=torch.long) if forced is None else forced.cpu().clone()
+    for row in (tokens < 0).nonzero().flatten().tolist():
+        tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row]).item()
     k = min(params.topk_report, probs.shape[-1])
     topk_probs, topk_ids = probs.topk(k, dim=-1)
     rows = torch.arange(tokens.shape[0])

@@ -2,9 +2,12 @@
 ranks' generation loop.
 
 Rank 0's servers put jobs in a queue; ``serve_forever`` on every rank takes them in the same order:
-rank 0 broadcasts each job's data (never the job itself: it holds sockets and events), so every rank
-runs the same generation. With nothing to do, rank 0 sends an idle heartbeat now and then, so the
-other ranks' waiting broadcast never reaches the process group's timeout.
+rank 0 broadcasts each job's data (never the job itself: it holds sockets and events) to every rank. With
+data-parallel replicas a REST request's prompts are shared among them (megatron/inference/replicas.py) and
+a WebSocket generation runs on the first replica alone (its rank 0 streams and captures). With nothing to
+do, rank 0 sends an idle heartbeat now and then, so the other ranks' waiting broadcast never reaches the
+process group's timeout. ``stop`` (rank 0) ends the running generation at its next step, refuses the
+queued ones and ends every rank's loop.
 """
 
 import queue
@@ -12,8 +15,11 @@ import secrets
 import threading
 from dataclasses import dataclass, field
 
+from megatron.core import parallel_state
+
 from megascope.errors import ProtocolError
 from megatron.inference.engine import NoObserver, agree
+from megatron.inference.replicas import generate_share
 from megatron.inference.sampling import SamplingParams
 
 IDLE_HEARTBEAT_SECONDS = 30
@@ -33,6 +39,17 @@ class Job:
     error: BaseException = None
 
 
+class StopAtNextStep(NoObserver):
+    """Rank 0's observer of a REST generation: cancels it at its next step once the service is stopping
+    (every rank's observer acts on the cancel)."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def poll(self):
+        return {"cancel": True} if self.service.stopping else None
+
+
 def pick_seed(seed):
     return secrets.randbelow(2**31) if seed is None else seed
 
@@ -50,11 +67,14 @@ class GenerationService:
         self._jobs = queue.Queue()
         self._lock = threading.Lock()
         self._unfinished = []   # submitted generations, in order, until they have run
+        self.stopping = False   # set by stop: the running generation is cancelled at its next step
 
     def submit(self, job, refuse_if_busy):
         """Queue ``job``; ProtocolError("busy") when ``refuse_if_busy`` and a generation is queued or
         running, or whenever a WebSocket generation holds the model (cancelled ones do not count)."""
         with self._lock:
+            if self.stopping:
+                raise ProtocolError("busy", "the server is stopping")
             holding = [other for other in self._unfinished if not other.cancelled]
             if any(other.source == "websocket" for other in holding) or (refuse_if_busy and holding):
                 raise ProtocolError("busy", "a generation is running; wait for its generation_done")
@@ -74,13 +94,41 @@ class GenerationService:
         self._jobs.put(Job(payload={"kind": "control", **payload}, source="control"))
 
     def stop(self):
+        """Rank 0, any thread but the model loop's: every rank's ``serve_forever`` returns soon (after the
+        step in progress); generations still queued are refused."""
+        with self._lock:
+            self.stopping = True
         self._jobs.put(Job(payload={"kind": "stop"}, source="control"))
 
     def _next_job(self):
+        if self.stopping:
+            return self._refuse_queued()
         try:
             return self._jobs.get(timeout=IDLE_HEARTBEAT_SECONDS)
         except queue.Empty:
             return Job(payload={"kind": "idle"}, source="control")
+
+    def _refuse_queued(self):
+        """The stop job, once every generation still queued has been answered with an error."""
+        while (job := self._jobs.get()).payload["kind"] != "stop":
+            if job.source != "control":
+                job.error = ProtocolError("busy", "the server stopped before this generation ran")
+                with self._lock:
+                    self._unfinished.remove(job)
+                job.done.set()
+        return job
+
+    def _generate(self, job, payload):
+        """Every rank: a REST request's prompts are shared among the data-parallel replicas; a WebSocket
+        generation (streamed and captured by rank 0) runs on the first replica, the others wait."""
+        params = SamplingParams(**payload["params"])
+        if "scope" not in payload:
+            observer = (job.observer or StopAtNextStep(self)) if job else None
+            return generate_share(self.engine, payload["prompts"], params, observer)
+        if parallel_state.get_data_parallel_rank() != 0:
+            return None
+        observer = job.observer if job else self.observer_factory(payload)
+        return self.engine.generate(payload["prompts"], params, observer)
 
     def serve_forever(self, rank):
         """The loop of every rank; returns after a stop job."""
@@ -93,9 +141,7 @@ class GenerationService:
                 if payload["kind"] == "control":
                     self.on_control(payload)
                 elif payload["kind"] == "generate":
-                    observer = job.observer if job else self.observer_factory(payload)
-                    result = self.engine.generate(payload["prompts"], SamplingParams(**payload["params"]),
-                                                  observer)
+                    result = self._generate(job, payload)
                     if job:
                         job.result = result
             except Exception as error:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
