@@ -16,13 +16,15 @@ import threading
 import torch
 
 # Tags of the message kinds (gloo matches a receive to a send by peer and tag).
-TAG_CONTROL, TAG_WEIGHTS, TAG_CHECKSUM, TAG_STAGE_INPUT, TAG_ACK, TAG_ACTIVATION, TAG_INPUT_GRAD = range(1, 8)
+(TAG_CONTROL, TAG_WEIGHTS, TAG_CHECKSUM, TAG_STAGE_INPUT, TAG_ACK, TAG_ACTIVATION, TAG_INPUT_GRAD, TAG_BATCH_SIZE,
+ TAG_BATCH) = range(1, 10)
 # Commands of a control message (backward to forward): [command, iteration].
 STOP, GO = 0, 1
 
 
 class Coordinator:
-    def __init__(self, name, max_queued=64, max_in_flight=256):
+    def __init__(self, name, messages, max_queued=64, max_in_flight=256):
+        self.messages = messages  # message_trace.MessageTrace: numbers and records the messages for --trace
         self._queue = queue.Queue(maxsize=max_queued)
         # Sends started and not yet known to be received, oldest first. gloo marks a send done only
         # when waited on, so a second thread waits on them in order: the sending thread never blocks on
@@ -35,11 +37,12 @@ class Coordinator:
         for thread in self._threads:
             thread.start()
 
-    def send(self, group, tensor, peer, tag):
+    def send(self, group, tensor, peer, tag, microbatch=None):
         """Hand ``tensor`` over for sending to ``peer`` of ``group``; returns at once unless the queue is full.
         The caller must not change ``tensor`` afterwards (pass a copy if it will)."""
         self._raise_if_failed()
-        self._queue.put((group, tensor, peer, tag))
+        record = self.messages.start("send", group, peer, tag, tensor, microbatch)
+        self._queue.put((group, tensor, peer, tag, record))
 
     def flush(self):
         """Wait until everything handed over so far has been received by its peer."""
@@ -67,10 +70,10 @@ class Coordinator:
                     return
                 continue
             try:
-                group, tensor, peer, tag = item
+                group, tensor, peer, tag, record = item
                 host = tensor.detach().to("cpu").contiguous()
                 self._slots.acquire()
-                self._in_flight.put((group.send([host], peer, tag), host))
+                self._in_flight.put((group.send([host], peer, tag), host, record))
             except Exception as error:  # noqa: BLE001  handed to the compute thread at its next call
                 self._error = error
 
@@ -82,16 +85,22 @@ class Coordinator:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            work, _, record = item
             try:
-                item[0].wait()
+                work.wait()
+                self.messages.end(record)
             except Exception as error:  # noqa: BLE001
                 self._error = error
             finally:
                 self._slots.release()
 
 
-def receive(group, shape, dtype, peer, tag, device):
-    """Receive one message of known shape and dtype from ``peer`` (blocking, on the calling thread)."""
+def receive(group, shape, dtype, peer, tag, device, messages=None, microbatch=None):
+    """Receive one message of known shape and dtype from ``peer`` (blocking, on the calling thread);
+    ``messages`` (a MessageTrace) records it for --trace."""
     buffer = torch.empty(shape, dtype=dtype)
+    record = messages.start("recv", group, peer, tag, buffer, microbatch) if messages is not None else None
     group.recv([buffer], peer, tag).wait()
+    if record is not None:
+        messages.end(record)
     return buffer.to(device)

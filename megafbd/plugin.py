@@ -23,7 +23,8 @@ class MegaFBDPlugin:
         self.instance = None
         self.coordinator = None
         self.weights = None
-        self.started = False
+        self.schedule = None
+        self.sent_step = None  # the last step whose weights went to the forward instance
 
     def add_arguments(self, parser):
         add_arguments(parser)
@@ -68,7 +69,7 @@ class MegaFBDPlugin:
             return
         from megafbd.weight_sync import WeightSync
 
-        self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}")
+        self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}", self.instance.messages)
         self.weights = WeightSync.for_backward(self.instance, model[0], args.fbd_checksum_interval, self.coordinator)
 
     def forward_backward_func(self, args):
@@ -76,13 +77,18 @@ class MegaFBDPlugin:
             return None
         from megafbd.backward_schedule import BackwardSchedule
 
-        return BackwardSchedule(args, self.instance, self.coordinator)
+        self.schedule = BackwardSchedule(args, self.instance, self.coordinator)
+        return self.schedule
 
     def _command(self, command, iteration):
         """Tell the forward instance what comes next; its answer says whether it was sent SIGTERM."""
-        if not self.started:  # the weights training starts from (after --load), as step iteration-1
-            self.started = True
-            self.weights.send(iteration - 1 if command == GO else iteration)
+        # The weights of the steps done since the last command (after --load, those training starts from,
+        # as step iteration-1), sent here rather than right after the step so that the forward instance's
+        # receive falls into the same iteration as the send (a trace matches them); it needs them only now.
+        latest = iteration - 1 if command == GO else iteration
+        for step in range(latest if self.sent_step is None else self.sent_step + 1, latest + 1):
+            self.weights.send(step)
+        self.sent_step = latest
         if self.instance.link_rank != 0:
             return
         self.coordinator.send(self.instance.link_group, torch.tensor([command, iteration]),
@@ -96,10 +102,6 @@ class MegaFBDPlugin:
         if is_backward(self.instance):
             self._command(GO, iteration)
 
-    def on_iteration_end(self, args, iteration, metrics):
-        if is_backward(self.instance):
-            self.weights.send(iteration)
-
     def on_train_end(self, args, iteration):
         if not is_backward(self.instance):
             return
@@ -108,5 +110,6 @@ class MegaFBDPlugin:
         self.coordinator.close()
         peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        print(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: peak "
+        print(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: "
+              f"{self.schedule.batches.count} batches received from the forward instance, peak "
               f"{'GPU memory' if args.device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB", flush=True)

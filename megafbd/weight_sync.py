@@ -58,6 +58,7 @@ class WeightSync:
         self.interval = interval
         self.coordinator = coordinator
         self.loaded_iteration = None  # forward side: the step whose weights the model holds
+        self.unchecked = []  # forward side: steps loaded whose checksum is still to compare
         self.checks = 0
 
     @classmethod
@@ -119,8 +120,10 @@ class WeightSync:
 
     def finish_receive(self, pending):
         step, posted = pending
-        for pieces, buffer, work in posted:
+        for sender, (pieces, buffer, work) in enumerate(posted):
+            record = self.instance.messages.start("recv", self.instance.link_group, sender, TAG_WEIGHTS, buffer)
             work.wait()
+            self.instance.messages.end(record)
             flat = buffer.to(pieces[0].device)
             offset = 0
             for piece in pieces:
@@ -128,7 +131,13 @@ class WeightSync:
                 offset += piece.numel()
         self.loaded_iteration = step
         if self._is_check_step(step):
-            self.check(f"after iteration {step}")
+            self.unchecked.append(step)
+
+    def check_loaded(self):
+        """Compare the weights of the check steps loaded so far (after the forward that computed with them,
+        so that a change behind the transfer's back in between is caught too)."""
+        while self.unchecked:
+            self.check(f"after iteration {self.unchecked.pop(0)}")
 
     def check(self, when):
         """Compare this copy with each sender's checksum; a difference stops the run in one line."""

@@ -67,12 +67,15 @@ class Recorder:
         ctx = self.context
         self.window.events.append((name, ctx.iteration, ctx.microbatch, ctx.chunk, layer, start, end))
 
-    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype):
-        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter."""
+    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype, seq=None):
+        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter, unless
+        the caller numbers its ops itself (``seq``: senders and receivers that count every message)."""
         window, ctx = self.window, self.context
         record = OpRecord()
-        record.seq = self.counters.get(counter_key, 0)
-        self.counters[counter_key] = record.seq + 1
+        if seq is None:
+            seq = self.counters.get(counter_key, 0)
+            self.counters[counter_key] = seq + 1
+        record.seq = seq
         record.op, record.kind, record.group, record.peer = op, kind, group, peer
         record.bytes, record.dtype = nbytes, dtype
         record.iteration, record.microbatch, record.chunk = ctx.iteration, ctx.microbatch, ctx.chunk

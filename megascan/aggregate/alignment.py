@@ -5,7 +5,8 @@ the refinement fits each rank's offset in each window, and its drift where it sh
 the collective instances that every member finished (a collective ends together on all its members):
 all of them, so the residuals reported are those of every finish, not of a sample. Point-to-point
 transfers are not used: a send may finish long before its recv. Ranks with a host timer on the
-reference's host read the very same clock: they are not fitted.
+reference's host read the very same clock: they are not fitted, and need no collective shared with
+the reference (MegaFBD's forward instances at TP1 take part in none).
 
 The fit is only as good as the finishes are simultaneous. Where they scatter by far more than the
 clocks can drift (gloo on an oversubscribed CPU host: members return from one collective up to
@@ -85,8 +86,8 @@ def align_ranks(instances, ranks, problems, clock_sources=None):
     # would make a ppm of drift look like hours of offset.
     base = min((t for ends in finishes.values() for t in ends.values()), default=0.0)
     relative = {key: {rank: t - base for rank, t in ends.items()} for key, ends in finishes.items()}
-    fitted = ClockAligner(reference_rank=reference).align(
-        relative, {rank: 0.0 for rank in ranks}, windows, _sharing_reference_clock(reference, clock_sources))
+    same_clock = _sharing_reference_clock(reference, clock_sources)
+    fitted = ClockAligner(reference_rank=reference).align(relative, {rank: 0.0 for rank in ranks}, windows, same_clock)
     # local - base = rate * (global - base) + offset  <=>  local = rate * global + offset + base * (1 - rate)
     clocks = {rank: RankClock(c.rate, c.offset_us + base * (1.0 - c.rate), c.residual_us, c.collectives,
                               c.window_offsets_us) for rank, c in fitted.clocks.items()}
@@ -97,4 +98,8 @@ def align_ranks(instances, ranks, problems, clock_sources=None):
                         f"of {clocks[worst].drift_ppm:.0f} ppm (no real clock drifts over {MAX_DRIFT_PPM:.0f}); "
                         f"collective finishes scatter too much ({clocks[worst].residual_us:.0f} us) to measure drift")
         clocks = _wall_clocks(list(clocks), finishes)
-    return Alignment(reference, clocks, fitted.unaligned)
+    unaligned = dict(fitted.unaligned)
+    for rank in sorted(same_clock & set(unaligned)):  # linked by no collective, yet on the reference's very clock
+        clocks[rank] = RankClock(1.0, 0.0, math.nan, 0)
+        del unaligned[rank]
+    return Alignment(reference, clocks, unaligned)
