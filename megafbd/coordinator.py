@@ -17,7 +17,7 @@ import torch
 
 # Tags of the message kinds (gloo matches a receive to a send by peer and tag).
 (TAG_CONTROL, TAG_WEIGHTS, TAG_CHECKSUM, TAG_STAGE_INPUT, TAG_ACK, TAG_ACTIVATION, TAG_INPUT_GRAD, TAG_BATCH_SIZE,
- TAG_BATCH) = range(1, 10)
+ TAG_BATCH, TAG_RNG) = range(1, 11)
 # Commands of a control message (backward to forward): [command, iteration].
 STOP, GO = 0, 1
 

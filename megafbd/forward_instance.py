@@ -25,7 +25,9 @@ from megatron.training.training import build_iterators
 
 from megafbd.backward_schedule import stage_tensor_shape
 from megafbd.batch_transfer import ForwardedBatches
-from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_ACTIVATION, TAG_CONTROL, TAG_STAGE_INPUT, Coordinator, receive
+from megafbd.coordinator import (GO, STOP, TAG_ACK, TAG_ACTIVATION, TAG_CONTROL, TAG_RNG, TAG_STAGE_INPUT,
+                                 Coordinator, receive)
+from megafbd.dropout_rng import load_packed_state, packed_size
 from megafbd.weight_sync import WeightSync
 
 
@@ -41,7 +43,8 @@ class ForwardInstance:
         self.model = build_model(args, parts.model_provider, with_gradients=False)[0]
         for param in self.model.parameters():
             param.requires_grad_(False)
-        self.model.eval()  # no dropout here: the backward instance's recomputation draws it
+        # Dropout only where this instance can draw its backward partner's masks (dropout_rng.py).
+        self.model.train(args.fbd_draws_dropout)
         self.weights = WeightSync.for_forward(instance, self.model, args.fbd_checksum_interval)
         self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}", instance.messages)
         self.data_iterator = None
@@ -83,6 +86,8 @@ class ForwardInstance:
             self.plugins.call("on_iteration_begin", self.args, iteration)
             self._post_weights(pending, up_to=iteration - 1)
             self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
+            if self.args.fbd_draws_dropout and not self.last:
+                load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
             self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
                               model=[self.model])
             self.plugins.call("on_iteration_end", self.args, iteration, {"losses": {}, "grad_norm": None,

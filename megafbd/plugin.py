@@ -13,7 +13,8 @@ import signal
 import torch
 
 from megafbd.arguments import add_arguments, backward_world_size, is_requested, validate_args
-from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, Coordinator, receive
+from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, TAG_RNG, Coordinator, receive
+from megafbd.dropout_rng import draws_dropout_alike, packed_state
 from megafbd.layout import InstanceLayout
 from megafbd.process_groups import is_backward, start_instance
 
@@ -44,6 +45,7 @@ class MegaFBDPlugin:
                                            1 if args.ignore_forward_tensor_parallel else args.tensor_model_parallel_size,
                                            launched)
         args.fbd_backward_sequence_parallel = args.sequence_parallel
+        args.fbd_draws_dropout = draws_dropout_alike(args)  # before a forward process takes its own device
         self.instance = start_instance(args, layout)
         if self.instance.global_rank == 0:
             print(f"megafbd: {layout.backward_size} backward instances (TP{layout.tensor} x PP{layout.pipeline} x "
@@ -80,7 +82,7 @@ class MegaFBDPlugin:
         self.schedule = BackwardSchedule(args, self.instance, self.coordinator)
         return self.schedule
 
-    def _command(self, command, iteration):
+    def _command(self, args, command, iteration):
         """Tell the forward instance what comes next; its answer says whether it was sent SIGTERM."""
         # The weights of the steps done since the last command (after --load, those training starts from,
         # as step iteration-1), sent here rather than right after the step so that the forward instance's
@@ -91,6 +93,10 @@ class MegaFBDPlugin:
         self.sent_step = latest
         if self.instance.link_rank != 0:
             return
+        last_stage = self.instance.coordinates.pipeline == self.instance.layout.pipeline - 1
+        if command == GO and args.fbd_draws_dropout and not last_stage:  # the iteration's masks: dropout_rng.py
+            self.coordinator.send(self.instance.link_group, packed_state(), self.instance.link.forward_link_rank,
+                                  TAG_RNG)
         self.coordinator.send(self.instance.link_group, torch.tensor([command, iteration]),
                               self.instance.link.forward_link_rank, TAG_CONTROL)
         signalled = receive(self.instance.link_group, (1,), torch.int64, self.instance.link.forward_link_rank,
@@ -100,12 +106,12 @@ class MegaFBDPlugin:
 
     def on_iteration_begin(self, args, iteration):
         if is_backward(self.instance):
-            self._command(GO, iteration)
+            self._command(args, GO, iteration)
 
     def on_train_end(self, args, iteration):
         if not is_backward(self.instance):
             return
-        self._command(STOP, iteration)
+        self._command(args, STOP, iteration)
         self.weights.send_checksum()
         self.coordinator.close()
         peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
