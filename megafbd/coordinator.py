@@ -32,6 +32,9 @@ class Coordinator:
         self._in_flight = queue.Queue()
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._error = None
+        # The completion thread marks the end of traced sends (--trace): on GPU a CUDA event, which must be
+        # on this process's device, not on the device 0 a new thread starts on.
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._threads = [threading.Thread(target=target, name=f"megafbd-{role}-{name}", daemon=True)
                          for role, target in (("coordinator", self._send_loop), ("completion", self._wait_loop))]
         for thread in self._threads:
@@ -78,6 +81,8 @@ class Coordinator:
                 self._error = error
 
     def _wait_loop(self):
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while True:
             item = self._in_flight.get()
             if item is None:

@@ -46,8 +46,7 @@ class TraceSession:
         self.timers = ScheduleTimers(self.recorder)
         self.world = traced_world_of(args)
         self.messages = MessageTracer(self.recorder)
-        self.switchable = [CommTracer(self.recorder, self.world),
-                           self.messages]
+        self.switchable = [CommTracer(self.recorder, self.world), self.messages]
         if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
             self.switchable.append(OptimizerTracer(self.recorder, optimizer))
         if args.trace_granularity == "full":
