@@ -2,8 +2,8 @@
 
 Before the process groups start, the launch is split into backward and forward instances
 (``layout.py``). A backward process then runs the ordinary training loop with the backward
-schedule and sends its weights after every step; a forward process runs ``ForwardInstance``
-instead of the loop.
+schedule and sends the weights of every step to its forward instance with the next command; a
+forward process runs ``ForwardInstance`` instead of the loop.
 """
 
 import os
