@@ -50,12 +50,11 @@ class ForwardedBatches:
     instances served (all of them get the whole batch: each tensor-parallel rank reads the same data
     in a normal run)."""
 
-    def __init__(self, data_iterator, coordinator, link, link_group):
+    def __init__(self, data_iterator, coordinator, instance):
         self.data_iterator = data_iterator
         self.coordinator = coordinator
-        self.link = link
-        self.link_group = link_group
-        self.count = 0
+        self.instance = instance
+        self.count = 0  # batches so far; their index in the iteration labels them in a trace
 
     def __iter__(self):
         return self
@@ -65,9 +64,10 @@ class ForwardedBatches:
         microbatch = self.count % get_num_microbatches()
         self.count += 1
         packed = pack(batch)
-        for link_rank in range(len(self.link.backward_members)):
-            self.coordinator.send(self.link_group, torch.tensor([packed.numel()]), link_rank, TAG_BATCH_SIZE)
-            self.coordinator.send(self.link_group, packed, link_rank, TAG_BATCH, microbatch)
+        group = self.instance.link_group
+        for link_rank in range(len(self.instance.link.backward_members)):
+            self.coordinator.send(group, torch.tensor([packed.numel()]), link_rank, TAG_BATCH_SIZE)
+            self.coordinator.send(group, packed, link_rank, TAG_BATCH, microbatch)
         return batch
 
 

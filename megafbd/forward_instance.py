@@ -111,7 +111,7 @@ class ForwardInstance:
     def _build_data(self, iteration):
         consumed = (iteration - 1) * self.args.global_batch_size
         data = build_iterators(self.args, self.parts.dataset_provider, self.parts.tokenizer, 1, consumed)[0]
-        return ForwardedBatches(data, self.coordinator, self.instance.link, self.instance.link_group)
+        return ForwardedBatches(data, self.coordinator, self.instance)
 
     @torch.no_grad()
     def _forward_microbatches(self, forward_step_func, data_iterator, model):

@@ -58,7 +58,7 @@ class WeightSync:
         self.interval = interval
         self.coordinator = coordinator
         self.loaded_iteration = None  # forward side: the step whose weights the model holds
-        self.unchecked = []  # forward side: steps loaded whose checksum is still to compare
+        self.unchecked = None  # forward side: the check step the model holds, its checksum not yet compared
         self.checks = 0
 
     @classmethod
@@ -120,6 +120,7 @@ class WeightSync:
 
     def finish_receive(self, pending):
         step, posted = pending
+        self.check_loaded()  # before the weights it compares are replaced (two steps load at the end, staleness 1)
         for sender, (pieces, buffer, work) in enumerate(posted):
             record = self.instance.messages.start("recv", self.instance.link_group, sender, TAG_WEIGHTS, buffer)
             work.wait()
@@ -131,13 +132,14 @@ class WeightSync:
                 offset += piece.numel()
         self.loaded_iteration = step
         if self._is_check_step(step):
-            self.unchecked.append(step)
+            self.unchecked = step
 
     def check_loaded(self):
-        """Compare the weights of the check steps loaded so far (after the forward that computed with them,
-        so that a change behind the transfer's back in between is caught too)."""
-        while self.unchecked:
-            self.check(f"after iteration {self.unchecked.pop(0)}")
+        """Compare the weights of a check step the model holds, once: after the forward that computed with
+        them, so that a change behind the transfer's back in between is caught too."""
+        if self.unchecked is not None:
+            step, self.unchecked = self.unchecked, None
+            self.check(f"after iteration {step}")
 
     def check(self, when):
         """Compare this copy with each sender's checksum; a difference stops the run in one line."""

@@ -152,6 +152,13 @@ def test_pp2_with_dropout_gives_the_losses_of_a_normal_pp2_run_with_dropout(runs
     assert lm_losses(normal.stdout)[1] != pytest.approx(lm_losses(runs["normal"].stdout)[1], rel=1e-4)  # dropout is on
 
 
+def test_staleness_1_ending_after_a_check_step_checks_each_step_against_its_own_weights(runs):
+    # At the end the forward instance loads two steps (2, a check step, and 3): step 2 is compared before 3 replaces it.
+    result = _train(runs["data"], 2, *FBD, "--fbd-weight-staleness", 1, "--train-iters", 3)
+    (report,) = _forward_reports(result)
+    assert "3 iterations, weights checked 2 times" in report, report
+
+
 def test_weights_that_drift_apart_stop_the_run_with_one_line_naming_the_stage(gpt_data):
     env = {"MEGATRON_PLUGINS": "weight_drift_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
     result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + RECOMPUTE + FBD + [
