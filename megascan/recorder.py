@@ -67,9 +67,10 @@ class Recorder:
         ctx = self.context
         self.window.events.append((name, ctx.iteration, ctx.microbatch, ctx.chunk, layer, start, end))
 
-    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype, seq=None):
-        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter, unless
-        the caller numbers its ops itself (``seq``: senders and receivers that count every message)."""
+    def add_op(self, op, kind, group, counter_key, peer, nbytes, dtype, seq=None, start=None):
+        """Start an op record (the caller marks its end); ``counter_key`` picks its sequence counter.
+        A transport that numbers its own messages gives ``seq`` instead, and one that reports a transfer
+        after the fact its ``start`` mark."""
         window, ctx = self.window, self.context
         record = OpRecord()
         if seq is None:
@@ -84,12 +85,12 @@ class Recorder:
         record.end = None
         record.window = window
         window.ops.append(record)
-        record.start = self.timer.mark()
+        record.start = self.timer.mark() if start is None else start
         return record
 
-    def end_ops(self, records):
-        """Mark the end of records whose work the rank waited for (only while their window is open)."""
-        end = None
+    def end_ops(self, records, end=None):
+        """Mark the end of records whose work the rank waited for (only while their window is open);
+        ``end``: a mark taken earlier (default: now)."""
         for record in records:
             if record.end is None and record.window.open:
                 if end is None:
