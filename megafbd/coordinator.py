@@ -16,13 +16,15 @@ import threading
 import torch
 
 # Tags of the message kinds (gloo matches a receive to a send by peer and tag).
-TAG_CONTROL, TAG_WEIGHTS, TAG_CHECKSUM, TAG_STAGE_INPUT, TAG_ACK, TAG_ACTIVATION, TAG_INPUT_GRAD = range(1, 8)
+(TAG_CONTROL, TAG_WEIGHTS, TAG_CHECKSUM, TAG_STAGE_INPUT, TAG_ACK, TAG_ACTIVATION, TAG_INPUT_GRAD, TAG_BATCH_SIZE,
+ TAG_BATCH, TAG_RNG) = range(1, 11)
 # Commands of a control message (backward to forward): [command, iteration].
 STOP, GO = 0, 1
 
 
 class Coordinator:
-    def __init__(self, name, max_queued=64, max_in_flight=256):
+    def __init__(self, name, messages, max_queued=64, max_in_flight=256):
+        self.messages = messages  # message_trace.MessageTrace: numbers and records the messages for --trace
         self._queue = queue.Queue(maxsize=max_queued)
         # Sends started and not yet known to be received, oldest first. gloo marks a send done only
         # when waited on, so a second thread waits on them in order: the sending thread never blocks on
@@ -30,16 +32,20 @@ class Coordinator:
         self._in_flight = queue.Queue()
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._error = None
+        # The completion thread marks the end of traced sends (--trace): on GPU a CUDA event, which must be
+        # on this process's device, not on the device 0 a new thread starts on.
+        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._threads = [threading.Thread(target=target, name=f"megafbd-{role}-{name}", daemon=True)
                          for role, target in (("coordinator", self._send_loop), ("completion", self._wait_loop))]
         for thread in self._threads:
             thread.start()
 
-    def send(self, group, tensor, peer, tag):
+    def send(self, group, tensor, peer, tag, microbatch=None):
         """Hand ``tensor`` over for sending to ``peer`` of ``group``; returns at once unless the queue is full.
         The caller must not change ``tensor`` afterwards (pass a copy if it will)."""
         self._raise_if_failed()
-        self._queue.put((group, tensor, peer, tag))
+        record = self.messages.start("send", group, peer, tag, tensor, microbatch)
+        self._queue.put((group, tensor, peer, tag, record))
 
     def flush(self):
         """Wait until everything handed over so far has been received by its peer."""
@@ -67,14 +73,16 @@ class Coordinator:
                     return
                 continue
             try:
-                group, tensor, peer, tag = item
+                group, tensor, peer, tag, record = item
                 host = tensor.detach().to("cpu").contiguous()
                 self._slots.acquire()
-                self._in_flight.put((group.send([host], peer, tag), host))
+                self._in_flight.put((group.send([host], peer, tag), host, record))
             except Exception as error:  # noqa: BLE001  handed to the compute thread at its next call
                 self._error = error
 
     def _wait_loop(self):
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
         while True:
             item = self._in_flight.get()
             if item is None:
@@ -82,16 +90,22 @@ class Coordinator:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
+            work, _, record = item
             try:
-                item[0].wait()
+                work.wait()
+                self.messages.end(record)
             except Exception as error:  # noqa: BLE001
                 self._error = error
             finally:
                 self._slots.release()
 
 
-def receive(group, shape, dtype, peer, tag, device):
-    """Receive one message of known shape and dtype from ``peer`` (blocking, on the calling thread)."""
+def receive(group, shape, dtype, peer, tag, device, messages=None, microbatch=None):
+    """Receive one message of known shape and dtype from ``peer`` (blocking, on the calling thread);
+    ``messages`` (a MessageTrace) records it for --trace."""
     buffer = torch.empty(shape, dtype=dtype)
+    record = messages.start("recv", group, peer, tag, buffer, microbatch) if messages is not None else None
     group.recv([buffer], peer, tag).wait()
+    if record is not None:
+        messages.end(record)
     return buffer.to(device)

@@ -5,8 +5,11 @@ optimizer state, no checkpoints. Each iteration starts when its backward partner
 control message carries the iteration number, so a resumed run reads its data from the right
 position); the weights of the step before (staleness 0) or of the one before that (staleness 1)
 are loaded first. Per microbatch the stage's forward runs without autograd; its output goes to the
-next stage's forward instance and its input to the backward instance(s) of this stage. The last
-stage computes nothing: its backward instance computes the loss from the stage input.
+next stage's forward instance and its input to the backward instance(s) of this stage, together with
+the data the stage reads (``ForwardedBatches``: the token batch at the first stage). The last stage
+runs no forward (its output would be the loss, which its backward instance computes in the
+recomputation): it reads the microbatch's labels and loss mask, as a normal run's last stage reads
+them, and sends them on with the stage input.
 """
 
 import resource
@@ -21,7 +24,10 @@ from megatron.training.model_setup import build_model
 from megatron.training.training import build_iterators
 
 from megafbd.backward_schedule import stage_tensor_shape
-from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_ACTIVATION, TAG_CONTROL, TAG_STAGE_INPUT, Coordinator, receive
+from megafbd.batch_transfer import ForwardedBatches
+from megafbd.coordinator import (GO, STOP, TAG_ACK, TAG_ACTIVATION, TAG_CONTROL, TAG_RNG, TAG_STAGE_INPUT,
+                                 Coordinator, receive)
+from megafbd.dropout_rng import load_packed_state, packed_size
 from megafbd.weight_sync import WeightSync
 
 
@@ -37,9 +43,10 @@ class ForwardInstance:
         self.model = build_model(args, parts.model_provider, with_gradients=False)[0]
         for param in self.model.parameters():
             param.requires_grad_(False)
-        self.model.eval()  # no dropout here: the backward instance's recomputation draws it
+        # Dropout only where this instance can draw its backward partner's masks (dropout_rng.py).
+        self.model.train(args.fbd_draws_dropout)
         self.weights = WeightSync.for_forward(instance, self.model, args.fbd_checksum_interval)
-        self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}")
+        self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}", instance.messages)
         self.data_iterator = None
         self.start_step = None  # the step whose weights training starts from (iteration - 1 after --load)
         self.next_step = None  # the first step whose weights are not yet asked for
@@ -70,16 +77,22 @@ class ForwardInstance:
                     self.data_iterator = self._build_data(iteration)
             if command == STOP:
                 self._finish_weights(pending, up_to=iteration)
+                self.weights.check_loaded()
                 self.weights.check(f"at the end (iteration {iteration})")
                 break
-            # The weights of step iteration-1 are on their way; the model must hold step iteration-1-staleness.
+            # The iteration (and its trace) begins with the weights' arrival: the backward instances send
+            # them with the command. Those of step iteration-1 are on their way; the model must hold step
+            # iteration-1-staleness.
+            self.plugins.call("on_iteration_begin", self.args, iteration)
             self._post_weights(pending, up_to=iteration - 1)
             self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
-            self.plugins.call("on_iteration_begin", self.args, iteration)
+            if self.args.fbd_draws_dropout and not self.last:
+                load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
             self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
                               model=[self.model])
             self.plugins.call("on_iteration_end", self.args, iteration, {"losses": {}, "grad_norm": None,
                                                                         "skipped": False})
+            self.weights.check_loaded()
             iterations += 1
         self.plugins.call("on_train_end", self.args, iteration)
         self.coordinator.close()
@@ -97,19 +110,20 @@ class ForwardInstance:
 
     def _build_data(self, iteration):
         consumed = (iteration - 1) * self.args.global_batch_size
-        return build_iterators(self.args, self.parts.dataset_provider, self.parts.tokenizer, 1, consumed)[0]
+        data = build_iterators(self.args, self.parts.dataset_provider, self.parts.tokenizer, 1, consumed)[0]
+        return ForwardedBatches(data, self.coordinator, self.instance)
 
     @torch.no_grad()
     def _forward_microbatches(self, forward_step_func, data_iterator, model):
         """One iteration's forwards, called as a schedule is (so that a tracer can wrap it)."""
         set_input_tensor = get_attr_wrapped_model(self.model, "set_input_tensor")
         config = get_model_config(self.model)
-        for _ in range(get_num_microbatches()):
+        for microbatch in range(get_num_microbatches()):
             stage_input = None
             if not self.first:
                 stage_input = receive(self.instance.chain_group, stage_tensor_shape(self.args), self.args.params_dtype,
                                       parallel_state.get_pipeline_model_parallel_prev_rank(), TAG_ACTIVATION,
-                                      self.device)
+                                      self.device, self.instance.messages, microbatch)
             if not self.last:
                 set_input_tensor([stage_input])
                 if config.timers is not None:  # megatron-core's schedules time their forwards so
@@ -118,11 +132,14 @@ class ForwardInstance:
                 if config.timers is not None:
                     config.timers("forward-compute").stop()
                 self.coordinator.send(self.instance.chain_group, output,
-                                      parallel_state.get_pipeline_model_parallel_next_rank(), TAG_ACTIVATION)
+                                      parallel_state.get_pipeline_model_parallel_next_rank(), TAG_ACTIVATION,
+                                      microbatch)
+            else:  # every forward step reads one batch at the last stage (its labels): read it for the backward
+                next(data_iterator)
             if not self.first:
-                self._send_stage_input(stage_input)
+                self._send_stage_input(stage_input, microbatch)
 
-    def _send_stage_input(self, stage_input):
+    def _send_stage_input(self, stage_input, microbatch):
         """To each backward instance served: the whole input, or its sequence part when the backward
         instances split the sequence (sequence parallelism) and this one does not."""
         receivers = len(self.instance.link.backward_members)
@@ -130,11 +147,12 @@ class ForwardInstance:
         if receivers > 1 and self.args.fbd_backward_sequence_parallel:
             parts = stage_input.chunk(receivers, dim=0)
         for link_rank, part in enumerate(parts):
-            self.coordinator.send(self.instance.link_group, part, link_rank, TAG_STAGE_INPUT)
+            self.coordinator.send(self.instance.link_group, part, link_rank, TAG_STAGE_INPUT, microbatch)
 
     def _report(self, iterations):
         peak = (torch.cuda.max_memory_allocated() if self.args.device == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         print(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: "
               f"{iterations} iterations, weights checked {self.weights.checks} times, "
+              f"{self.data_iterator.count if self.data_iterator else 0} batches read and sent, "
               f"peak {'GPU memory' if self.args.device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB", flush=True)

@@ -75,8 +75,12 @@ class InstanceLayout:
     def kind(self, global_rank):
         return BACKWARD if global_rank < self.backward_size else FORWARD
 
+    def kind_offset(self, kind):
+        """The global rank of the kind's rank 0."""
+        return 0 if kind == BACKWARD else self.backward_size
+
     def kind_rank(self, global_rank):
-        return global_rank if global_rank < self.backward_size else global_rank - self.backward_size
+        return global_rank - self.kind_offset(self.kind(global_rank))
 
     def kind_size(self, kind):
         return self.backward_size if kind == BACKWARD else self.forward_size

@@ -2,8 +2,8 @@
 
 Before the process groups start, the launch is split into backward and forward instances
 (``layout.py``). A backward process then runs the ordinary training loop with the backward
-schedule and sends its weights after every step; a forward process runs ``ForwardInstance``
-instead of the loop.
+schedule and sends the weights of every step to its forward instance with the next command; a
+forward process runs ``ForwardInstance`` instead of the loop.
 """
 
 import os
@@ -13,7 +13,8 @@ import signal
 import torch
 
 from megafbd.arguments import add_arguments, backward_world_size, is_requested, validate_args
-from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, Coordinator, receive
+from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, TAG_RNG, Coordinator, receive
+from megafbd.dropout_rng import draws_dropout_alike, packed_state
 from megafbd.layout import InstanceLayout
 from megafbd.process_groups import is_backward, start_instance
 
@@ -23,7 +24,8 @@ class MegaFBDPlugin:
         self.instance = None
         self.coordinator = None
         self.weights = None
-        self.started = False
+        self.schedule = None
+        self.sent_step = None  # the last step whose weights went to the forward instance
 
     def add_arguments(self, parser):
         add_arguments(parser)
@@ -43,6 +45,7 @@ class MegaFBDPlugin:
                                            1 if args.ignore_forward_tensor_parallel else args.tensor_model_parallel_size,
                                            launched)
         args.fbd_backward_sequence_parallel = args.sequence_parallel
+        args.fbd_draws_dropout = draws_dropout_alike(args)  # before a forward process takes its own device
         self.instance = start_instance(args, layout)
         if self.instance.global_rank == 0:
             print(f"megafbd: {layout.backward_size} backward instances (TP{layout.tensor} x PP{layout.pipeline} x "
@@ -68,7 +71,7 @@ class MegaFBDPlugin:
             return
         from megafbd.weight_sync import WeightSync
 
-        self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}")
+        self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}", self.instance.messages)
         self.weights = WeightSync.for_backward(self.instance, model[0], args.fbd_checksum_interval, self.coordinator)
 
     def forward_backward_func(self, args):
@@ -76,15 +79,24 @@ class MegaFBDPlugin:
             return None
         from megafbd.backward_schedule import BackwardSchedule
 
-        return BackwardSchedule(args, self.instance, self.coordinator)
+        self.schedule = BackwardSchedule(args, self.instance, self.coordinator)
+        return self.schedule
 
-    def _command(self, command, iteration):
+    def _command(self, args, command, iteration):
         """Tell the forward instance what comes next; its answer says whether it was sent SIGTERM."""
-        if not self.started:  # the weights training starts from (after --load), as step iteration-1
-            self.started = True
-            self.weights.send(iteration - 1 if command == GO else iteration)
+        # The weights of the steps done since the last command (after --load, those training starts from,
+        # as step iteration-1), sent here rather than right after the step so that the forward instance's
+        # receive falls into the same iteration as the send (a trace matches them); it needs them only now.
+        latest = iteration - 1 if command == GO else iteration
+        for step in range(latest if self.sent_step is None else self.sent_step + 1, latest + 1):
+            self.weights.send(step)
+        self.sent_step = latest
         if self.instance.link_rank != 0:
             return
+        last_stage = self.instance.coordinates.pipeline == self.instance.layout.pipeline - 1
+        if command == GO and args.fbd_draws_dropout and not last_stage:  # the iteration's masks: dropout_rng.py
+            self.coordinator.send(self.instance.link_group, packed_state(), self.instance.link.forward_link_rank,
+                                  TAG_RNG)
         self.coordinator.send(self.instance.link_group, torch.tensor([command, iteration]),
                               self.instance.link.forward_link_rank, TAG_CONTROL)
         signalled = receive(self.instance.link_group, (1,), torch.int64, self.instance.link.forward_link_rank,
@@ -94,19 +106,16 @@ class MegaFBDPlugin:
 
     def on_iteration_begin(self, args, iteration):
         if is_backward(self.instance):
-            self._command(GO, iteration)
-
-    def on_iteration_end(self, args, iteration, metrics):
-        if is_backward(self.instance):
-            self.weights.send(iteration)
+            self._command(args, GO, iteration)
 
     def on_train_end(self, args, iteration):
         if not is_backward(self.instance):
             return
-        self._command(STOP, iteration)
+        self._command(args, STOP, iteration)
         self.weights.send_checksum()
         self.coordinator.close()
         peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        print(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: peak "
+        print(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: "
+              f"{self.schedule.batches.count} batches received from the forward instance, peak "
               f"{'GPU memory' if args.device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB", flush=True)

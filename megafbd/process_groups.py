@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from megafbd.layout import BACKWARD, FORWARD, InstanceLayout, Link
+from megafbd.message_trace import MessageTrace
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Instance:
     link: Link
     link_group: object  # ProcessGroupGloo over link.members
     chain_group: object  # ProcessGroupGloo over this kind's world, ranks as in that world
+    messages: object = None  # message_trace.MessageTrace of this instance's messages
 
     @property
     def link_rank(self):
@@ -51,9 +53,20 @@ def configure_forward_process(args, layout):
         args.device = args.fbd_forward_device
         args.distributed_backend = "gloo" if args.device == "cpu" else args.distributed_backend
     args.world_size = layout.forward_size
-    if getattr(args, "trace", False):
-        # The forward instances are a world of their own: their traces merge on their own.
-        args.trace_dir = os.path.join(args.trace_dir, FORWARD)
+
+
+def traced_world(layout, kind, global_rank, store):
+    """Where this kind's world sits in the run's trace (--trace): both kinds write one trace under their
+    launch-wide ranks; the forward instances' group ids are kept apart from the backward instances', and
+    in the trace layout their tensor ranks follow the backward instances' (TP .. TP + TPf - 1)."""
+    from megascan.traced_world import TracedWorld, new_run_id
+
+    if global_rank == 0:
+        store.set("megafbd/trace-run-id", new_run_id())
+    run_id = store.get("megafbd/trace-run-id").decode()
+    forward = kind == FORWARD
+    return TracedWorld(run_id, layout.kind_offset(kind), layout.world_size, f"{FORWARD}/" if forward else "",
+                       layout.tensor if forward else 0, layout.tensor + layout.forward_tensor)
 
 
 def start_instance(args, layout):
@@ -65,6 +78,8 @@ def start_instance(args, layout):
     args.instance_kind = kind
     if kind == FORWARD:
         configure_forward_process(args, layout)
+    if getattr(args, "trace", False):
+        args.traced_world = traced_world(layout, kind, global_rank, store)
     kind_rank = layout.kind_rank(global_rank)
     torch.distributed.init_process_group(
         backend=args.distributed_backend, store=torch.distributed.PrefixStore(f"megafbd/{kind}/", store),
@@ -75,7 +90,9 @@ def start_instance(args, layout):
         len(link.members), timeout)
     chain_group = torch.distributed.ProcessGroupGloo(
         torch.distributed.PrefixStore(f"megafbd/chain/{kind}/", store), kind_rank, layout.kind_size(kind), timeout)
-    return Instance(layout, global_rank, kind, link, link_group, chain_group)
+    instance = Instance(layout, global_rank, kind, link, link_group, chain_group)
+    instance.messages = MessageTrace(instance)
+    return instance
 
 
 def is_backward(instance):

@@ -58,6 +58,7 @@ class WeightSync:
         self.interval = interval
         self.coordinator = coordinator
         self.loaded_iteration = None  # forward side: the step whose weights the model holds
+        self.unchecked = None  # forward side: the check step the model holds, its checksum not yet compared
         self.checks = 0
 
     @classmethod
@@ -119,8 +120,11 @@ class WeightSync:
 
     def finish_receive(self, pending):
         step, posted = pending
-        for pieces, buffer, work in posted:
+        self.check_loaded()  # before the weights it compares are replaced (two steps load at the end, staleness 1)
+        for sender, (pieces, buffer, work) in enumerate(posted):
+            record = self.instance.messages.start("recv", self.instance.link_group, sender, TAG_WEIGHTS, buffer)
             work.wait()
+            self.instance.messages.end(record)
             flat = buffer.to(pieces[0].device)
             offset = 0
             for piece in pieces:
@@ -128,6 +132,13 @@ class WeightSync:
                 offset += piece.numel()
         self.loaded_iteration = step
         if self._is_check_step(step):
+            self.unchecked = step
+
+    def check_loaded(self):
+        """Compare the weights of a check step the model holds, once: after the forward that computed with
+        them, so that a change behind the transfer's back in between is caught too."""
+        if self.unchecked is not None:
+            step, self.unchecked = self.unchecked, None
             self.check(f"after iteration {step}")
 
     def check(self, when):

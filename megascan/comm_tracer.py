@@ -49,7 +49,7 @@ def _tensors(value):
 _DTYPE_NAMES = {}  # torch.bfloat16 -> "bfloat16"
 
 
-def _size_and_dtype(method, args):
+def size_and_dtype(method, args):
     inputs = args[0] if method in _INPUT_FIRST else (args[1] if len(args) > 1 else ())
     tensors = list(_tensors(inputs))
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
@@ -80,8 +80,9 @@ class TracedWork:
 
 
 class CommTracer:
-    def __init__(self, recorder):
+    def __init__(self, recorder, world=None):
         self.recorder = recorder
+        self.world = world  # traced_world.TracedWorld: where this world's groups sit in the run; None: as they are
         self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
@@ -116,8 +117,10 @@ class CommTracer:
     def _group(self, group):
         known = self.groups.get(id(group))  # by id: asking a group for its name costs a C++ call
         if known is None:
-            known = self.groups[id(group)] = (group, group.group_name, dist.get_process_group_ranks(group),
-                                              self.roles.get(id(group), "other"))
+            name, ranks = group.group_name, dist.get_process_group_ranks(group)
+            if self.world is not None:
+                name, ranks = self.world.group_prefix + name, self.world.global_ranks(ranks)
+            known = self.groups[id(group)] = (group, name, ranks, self.roles.get(id(group), "other"))
         _, name, ranks, role = known
         window_groups = self.recorder.window.groups
         if name not in window_groups:
@@ -130,7 +133,7 @@ class CommTracer:
 
         def traced(group, *args, **kwargs):
             name, ranks = self._group(group)
-            nbytes, dtype = _size_and_dtype(method, args)
+            nbytes, dtype = size_and_dtype(method, args)
             if kind == "collective":
                 record = recorder.add_op(method, kind, name, name, None, nbytes, dtype)
             else:

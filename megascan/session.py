@@ -1,10 +1,8 @@
 """One rank's tracing for a whole run: which iterations are traced, switching the tracers on and off
 around them, and handing each closed window to the writer thread."""
 
-import datetime
 import os
 import socket
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -15,10 +13,12 @@ from megatron.core.utils import get_model_config
 from megascan.comm_tracer import CommTracer
 from megascan.compute_tracer import OptimizerTracer, ScheduleTimers, ScheduleTracer
 from megascan.layer_tracer import LayerTracer
+from megascan.message_tracer import MessageTracer
 from megascan.nvml_probe import NvmlProbe
 from megascan.recorder import Recorder
 from megascan.timing import make_timer
 from megascan.trace_writer import TraceWriter
+from megascan.traced_world import new_run_id, of as traced_world_of
 
 
 def is_traced(iteration, interval, continuous):
@@ -31,7 +31,7 @@ def trace_file_name(dp, pp, tp):
 
 
 def _shared_run_id():
-    run_id = [f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"]
+    run_id = [new_run_id()]
     dist.broadcast_object_list(run_id, src=0)
     return run_id[0]
 
@@ -44,7 +44,9 @@ class TraceSession:
         self.config = get_model_config(model_chunks[0])
         self.schedule = ScheduleTracer(self.recorder, model_chunks)
         self.timers = ScheduleTimers(self.recorder)
-        self.switchable = [CommTracer(self.recorder)]
+        self.world = traced_world_of(args)
+        self.messages = MessageTracer(self.recorder)
+        self.switchable = [CommTracer(self.recorder, self.world), self.messages]
         if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
             self.switchable.append(OptimizerTracer(self.recorder, optimizer))
         if args.trace_granularity == "full":
@@ -55,18 +57,19 @@ class TraceSession:
 
     def _open_writer(self, model_chunks):
         args = self.args
+        world = self.world
         coords = {"dp": parallel_state.get_data_parallel_rank(),
                   "pp": parallel_state.get_pipeline_model_parallel_rank(),
-                  "tp": parallel_state.get_tensor_model_parallel_rank()}
+                  "tp": parallel_state.get_tensor_model_parallel_rank() + world.tensor_offset}
         on_gpu = args.device == "cuda"
         device_index = torch.cuda.current_device() if on_gpu else None
         metadata = {
-            "type": "metadata", "format": "megascan", "version": 1, "run_id": _shared_run_id(),
-            "rank": dist.get_rank(), "world_size": dist.get_world_size(), "coords": coords,
+            "type": "metadata", "format": "megascan", "version": 1, "run_id": world.run_id or _shared_run_id(),
+            "rank": dist.get_rank() + world.rank_offset, "world_size": world.world_size, "coords": coords,
             # "training", or which kind of instance of a disaggregated run (MegaFBD: "backward", "forward")
             "instance_kind": getattr(args, "instance_kind", "training"),
             "layout": {"dp": args.data_parallel_size, "pp": args.pipeline_model_parallel_size,
-                       "tp": args.tensor_model_parallel_size, "vp": len(model_chunks),
+                       "tp": world.tensor_size, "vp": len(model_chunks),
                        "sequence_parallel": args.sequence_parallel,
                        "distributed_optimizer": args.use_distributed_optimizer,
                        "micro_batch_size": args.micro_batch_size,

@@ -311,6 +311,17 @@ def test_rank_sharing_no_collective_is_unaligned_and_not_merged(tmp_path):
     assert any(p.startswith("rank 5 (DP0-PP1-TP1) not aligned, so not merged") for p in merged.problems)
 
 
+def test_host_clock_rank_on_the_reference_host_needs_no_collective(tmp_path):
+    # As MegaFBD's CPU forward instances beside GPU backward instances: a host timer on rank 0's host reads the
+    # wall clock that rank 0's CUDA events are anchored to.
+    run = write_run(tmp_path)
+    _strip_collectives(run.path(5))
+    metadata, *lines = read_lines(run.path(5))
+    write_lines(run.path(5), [{**metadata, "timer": "host_clock"}] + lines)
+    merged = load_and_merge(tmp_path)
+    assert merged.unaligned == {} and 5 in merged.ranks and merged.ranks[5].clock.rate == 1.0
+
+
 def test_single_rank_is_its_own_reference(tmp_path):
     write_run(tmp_path, dp=1, pp=1, tp=1)
     merged = load_and_merge(tmp_path)

@@ -5,7 +5,10 @@ the refinement fits each rank's offset in each window, and its drift where it sh
 the collective instances that every member finished (a collective ends together on all its members):
 all of them, so the residuals reported are those of every finish, not of a sample. Point-to-point
 transfers are not used: a send may finish long before its recv. Ranks with a host timer on the
-reference's host read the very same clock: they are not fitted.
+reference's host read the very same clock: they are not fitted. A rank with a host timer that shares
+no collective with the aligned ranks (MegaFBD's forward instances at TP1 take part in none) is still
+on the reference's clock when it runs on the reference's host: the reference's times are that host's
+wall clock (CUDA events anchored to it, within their anchor uncertainty).
 
 The fit is only as good as the finishes are simultaneous. Where they scatter by far more than the
 clocks can drift (gloo on an oversubscribed CPU host: members return from one collective up to
@@ -72,6 +75,12 @@ def _sharing_reference_clock(reference, clock_sources):
     return {rank for rank, source in clock_sources.items() if source == (host, timer)}
 
 
+def _on_reference_wall_clock(reference, clock_sources):
+    """Ranks with a host timer on the reference's host: they read the wall clock the reference's times are on."""
+    host = (clock_sources or {}).get(reference, (None, None))[0]
+    return {rank for rank, source in (clock_sources or {}).items() if source == (host, "host_clock")}
+
+
 def align_ranks(instances, ranks, problems, clock_sources=None):
     """Alignment of ``ranks`` (clocks map a rank's wall-clock microseconds to the reference rank's);
     ``clock_sources``: {rank: (host, timer)}. Says in ``problems`` when the refinement was rejected."""
@@ -97,4 +106,8 @@ def align_ranks(instances, ranks, problems, clock_sources=None):
                         f"of {clocks[worst].drift_ppm:.0f} ppm (no real clock drifts over {MAX_DRIFT_PPM:.0f}); "
                         f"collective finishes scatter too much ({clocks[worst].residual_us:.0f} us) to measure drift")
         clocks = _wall_clocks(list(clocks), finishes)
-    return Alignment(reference, clocks, fitted.unaligned)
+    unaligned = dict(fitted.unaligned)
+    for rank in sorted(_on_reference_wall_clock(reference, clock_sources) & set(unaligned)):
+        clocks[rank] = RankClock(1.0, 0.0, math.nan, 0)
+        del unaligned[rank]
+    return Alignment(reference, clocks, unaligned)

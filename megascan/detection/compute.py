@@ -51,11 +51,14 @@ def _own_compute(starts, ends, waits):
     return np.maximum(durations - inside, 0.0)
 
 
-def _operation_key(event, coords):
+def _operation_key(event, trace):
+    """What an event is compared with: the same operation on ranks of the same instance kind (MegaFBD's
+    forward instances run other work, maybe on other hardware, than its backward instances)."""
+    kind = trace.metadata.get("instance_kind", "training")
     if event["name"] in LAYER_EVENTS:
-        return event["name"]
+        return kind, event["name"]
     if event["name"] in MICROBATCH_EVENTS:
-        return event["name"], coords["pp"], event.get("chunk")
+        return kind, event["name"], trace.coords["pp"], event.get("chunk")
     return None
 
 
@@ -65,7 +68,7 @@ def _samples(merged):
     has_layers = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
     keys, ranks, own = [], [], []
     for rank, trace in merged.ranks.items():
-        events = [(key, e) for e in trace.events if (key := _operation_key(e, trace.coords)) is not None
+        events = [(key, e) for e in trace.events if (key := _operation_key(e, trace)) is not None
                   and not (has_layers and e["name"] in MICROBATCH_EVENTS)]  # layers: the finer, uniform comparison
         if not events:
             continue

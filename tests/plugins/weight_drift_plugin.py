@@ -1,7 +1,7 @@
-"""A plugin that changes the weights of the backward instances behind the optimizer's back:
---drift-weights-at-iteration N adds 1e-3 to one weight of every MegaFBD backward instance after
-iteration N (after its weights were sent), as a bug outside the step would; the forward copies then
-differ from the backward ones, which MegaFBD's next checksum must catch."""
+"""A plugin that changes the weights of the forward instances behind the weight transfer's back:
+--drift-weights-at-iteration N adds 1e-3 to one weight of every MegaFBD forward instance after its
+forward of iteration N, as a broken transfer or a stray write would; the forward copies then differ
+from the backward ones, which MegaFBD's next checksum must catch."""
 
 import torch
 
@@ -21,7 +21,7 @@ class WeightDriftPlugin:
 
     @torch.no_grad()
     def on_iteration_end(self, args, iteration, metrics):
-        if iteration == args.drift_weights_at_iteration and getattr(args, "instance_kind", None) == "backward":
+        if iteration == args.drift_weights_at_iteration and getattr(args, "instance_kind", None) == "forward":
             next(self.model[0].parameters()).view(-1)[0] += 1e-3
 
 
