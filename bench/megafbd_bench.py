@@ -60,12 +60,12 @@ _NORMAL_GPU = re.compile(r"peak memory \(MB\): (\d+)")
 def _worker_ranks(launcher):
     ranks = {}
     for child in launcher.children(recursive=True):
-        try:
+        try:  # a child may end (or be a zombie, a NoSuchProcess) between the listing and these reads
             rank = child.environ().get("RANK")
+            if rank is not None and "pretrain_gpt.py" in " ".join(child.cmdline()):
+                ranks[child.pid] = (int(rank), child)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if rank is not None and "pretrain_gpt.py" in " ".join(child.cmdline()):
-            ranks[child.pid] = (int(rank), child)
     return ranks
 
 
