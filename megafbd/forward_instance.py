@@ -85,11 +85,11 @@ class ForwardInstance:
             # iteration-1-staleness.
             self.plugins.call("on_iteration_begin", self.args, iteration)
             self._post_weights(pending, up_to=iteration - 1)
-            if self.last:  # no model forward here, only the batches' labels: sent before the weights are waited for,
-                self._forward()  # so that the backward instance does not wait for the weights' transfer
             self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
-            if not self.last:
-                self._forward()
+            if self.args.fbd_draws_dropout and not self.last:
+                load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
+            self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
+                              model=[self.model])
             self.plugins.call("on_iteration_end", self.args, iteration, {"losses": {}, "grad_norm": None,
                                                                         "skipped": False})
             self.weights.check_loaded()
@@ -97,12 +97,6 @@ class ForwardInstance:
         self.plugins.call("on_train_end", self.args, iteration)
         self.coordinator.close()
         self._report(iterations)
-
-    def _forward(self):
-        if self.args.fbd_draws_dropout and not self.last:
-            load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
-        self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
-                          model=[self.model])
 
     def _post_weights(self, pending, up_to):
         for step in range(self.next_step, up_to + 1):
