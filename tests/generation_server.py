@@ -17,6 +17,7 @@ from launch import REPO, child_env, kill_process_tree, torchrun_command
 TINY_SERVER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
                "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
                "--attention-dropout", "0", "--use-cpu-initialization", "--device", "cpu",
+               # untied, wider initialization: a random tiny model that does not just repeat its last token
                "--untie-embeddings-and-output-weights", "--init-method-std", "0.2",
                "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
                "--merge-file", str(REPO / "datasets/gpt/merges.txt")]

@@ -8,15 +8,9 @@ import json
 
 import pytest
 
-from launch import REPO, assert_succeeded, torchrun
+from generation_server import TINY_SERVER as TINY  # the servers' tiny model: the same flags
+from launch import assert_succeeded, torchrun
 
-TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-        "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",
-        "--attention-dropout", "0", "--use-cpu-initialization", "--device", "cpu",
-        # untied, wider initialization: a random tiny model that does not just repeat its last token
-        "--untie-embeddings-and-output-weights", "--init-method-std", "0.2",
-        "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
-        "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "dp2": (1, 1, 2)}
 # Llama's architecture (rotary, grouped-query attention with QKV bias, SwiGLU, RMSNorm) at TP2.
 LLAMA_LIKE = ["--position-embedding-type", "rope", "--group-query-attention", "--num-query-groups", "2", "--swiglu",

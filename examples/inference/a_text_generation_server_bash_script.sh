@@ -8,23 +8,8 @@
 # there), PORT (5000), WS_PORT (5001), PYTHON (python3). Then: curl -X PUT localhost:5000/api \
 #   -H 'Content-Type: application/json' -d '{"prompts": ["Hello"], "tokens_to_generate": 32}'
 set -euo pipefail
-if [ $# -lt 2 ]; then
-    echo "usage: $0 CKPT TOKENIZER_DIR [extra flags]" >&2
-    exit 2
-fi
-CHECKPOINT=$1
-TOKENIZER=$2
-shift 2
-cd "$(dirname "$0")/../.."
-PYTHON=${PYTHON:-python3}
-DEVICE=${DEVICE:-$("$PYTHON" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
-"$PYTHON" -m torch.distributed.run --nproc_per_node "${NPROC:-1}" --master-port "${MASTER_PORT:-29500}" \
-    tools/run_text_generation_server.py \
-    --device "$DEVICE" \
-    --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}" \
+source "$(dirname "$0")/serve_common.sh"
+launch_server \
     --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \
     --seq-length 1024 --max-position-embeddings 1024 \
-    --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER/vocab.json" --merge-file "$TOKENIZER/merges.txt" \
-    --load "$CHECKPOINT" \
-    --port "${PORT:-5000}" --enable-ws-server --ws-port "${WS_PORT:-5001}" \
-    "$@"
+    --tokenizer-type GPT2BPETokenizer --vocab-file "$TOKENIZER/vocab.json" --merge-file "$TOKENIZER/merges.txt"

@@ -67,7 +67,7 @@ class StaticCacheModel:
     ``cuda_graphs``: replay one-token steps as a CUDA graph (GPU only). Not thread-safe; one generation at a time."""
 
     def __init__(self, model, batch, length, device, cuda_graphs):
-        self.model, self.batch, self.length = model, batch, length
+        self.model = model
         self.state = _CacheState(length, device)
         self.wrappers = []
         for layer in model.decoder.layers:

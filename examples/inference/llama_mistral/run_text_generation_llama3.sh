@@ -7,26 +7,11 @@
 # Environment: NPROC (1), TP (1), PP (1), DEVICE (cuda|cpu; cuda when a GPU is there), PORT (5000),
 # WS_PORT (5001), PYTHON (python3). Extra flags override model_args.txt's (e.g. --bf16 on a GPU).
 set -euo pipefail
-if [ $# -lt 2 ]; then
-    echo "usage: $0 CKPT TOKENIZER_DIR [extra flags]" >&2
-    exit 2
-fi
-CHECKPOINT=$1
-TOKENIZER=$2
-shift 2
+source "$(dirname "$0")/../serve_common.sh"
 if [ ! -f "$CHECKPOINT/model_args.txt" ]; then
     echo "$0: $CHECKPOINT/model_args.txt not found; give the --save-dir of tools/checkpoint/convert.py" >&2
     exit 2
 fi
-cd "$(dirname "$0")/../../.."
-PYTHON=${PYTHON:-python3}
-DEVICE=${DEVICE:-$("$PYTHON" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")}
 # shellcheck disable=SC2046  # model_args.txt is a list of flags
-"$PYTHON" -m torch.distributed.run --nproc_per_node "${NPROC:-1}" --master-port "${MASTER_PORT:-29500}" \
-    tools/run_text_generation_server.py \
-    $(cat "$CHECKPOINT/model_args.txt") \
-    --device "$DEVICE" \
-    --tensor-model-parallel-size "${TP:-1}" --pipeline-model-parallel-size "${PP:-1}" \
-    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER" --load "$CHECKPOINT" \
-    --port "${PORT:-5000}" --enable-ws-server --ws-port "${WS_PORT:-5001}" \
-    "$@"
+launch_server $(cat "$CHECKPOINT/model_args.txt") \
+    --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$TOKENIZER"
