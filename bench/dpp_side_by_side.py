@@ -31,18 +31,33 @@ def main():
     job = setup(megatron_argv, entry)
     specs = ours.schedules.split(",")
     seconds = {spec: [] for spec in specs}
+    peaks = dict.fromkeys(specs, 0)  # this rank's peak GPU memory under each schedule (0 on CPU)
     for _ in range(ours.rounds):
         for spec in specs:
-            seconds[spec] += run_schedule(job, entry, spec, ours.iterations).seconds[1:]
+            run = run_schedule(job, entry, spec, ours.iterations)
+            seconds[spec] += run.seconds[1:]
+            peaks[spec] = max(peaks[spec], run.peak_memory_bytes)
+    stage_peaks = per_stage_peaks(peaks, job.args.pipeline_model_parallel_size)
     if dist.get_rank() == 0:
         reference = statistics.median(seconds[STATIC]) if STATIC in seconds else None
-        print("| schedule | median iteration (ms) | vs static |")
-        print("|---|---|---|")
+        print("| schedule | median iteration (ms) | vs static | peak memory per pipeline stage (GiB) |")
+        print("|---|---|---|---|")
         for spec, values in seconds.items():
             median = statistics.median(values)
             ratio = f"{median / reference:.2f}x" if reference else "n/a"
-            print(f"| {spec} | {median * 1000:.1f} | {ratio} |", flush=True)
+            memory = " / ".join(f"{b / 2**30:.1f}" for b in stage_peaks[spec])
+            print(f"| {spec} | {median * 1000:.1f} | {ratio} | {memory} |", flush=True)
     dist.barrier()
+
+
+def per_stage_peaks(peaks, stages):
+    """schedule -> the largest peak of each pipeline stage's ranks (gathered from every rank)."""
+    from megatron.core import parallel_state
+
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), peaks)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {spec: [max(p[spec] for stage, p in everyone if stage == s) for s in range(stages)] for spec in peaks}
 
 
 if __name__ == "__main__":

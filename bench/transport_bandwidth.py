@@ -1,7 +1,9 @@
 """Bandwidth and latency of MegaDPP's shared-memory transport against gloo send/recv, two processes
-(``--device cuda``: the CUDA IPC transport against gloo staged through host memory).
+(``--device cuda``: the CUDA IPC transport between two GPUs against NCCL send/recv, the transport DPP
+would otherwise use).
 
-    python -m torch.distributed.run --nproc_per_node 2 bench/transport_bandwidth.py [--max-bytes 256M] [--device cuda]
+    python -m torch.distributed.run --nproc_per_node 2 bench/transport_bandwidth.py [--max-bytes 256M]
+    python -m torch.distributed.run --nproc_per_node 2 bench/transport_bandwidth.py --device cuda --max-bytes 1G
 
 Latency: half the median round trip of one message (ping-pong). Bandwidth: a stream of messages one
 way, timed on the receiver from a common start to the last message. Prints a Markdown table (rank 0).
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megadpp.transport import cuda_ipc_transport, shared_memory_transport
-from megadpp.transport.factories import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, DEFAULT_WORKLOAD
+from megadpp.transport.factories import DEFAULT_CUDA_SLOT_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, DEFAULT_WORKLOAD
 
 
 def parse_bytes(text):
@@ -24,26 +26,40 @@ def parse_bytes(text):
 
 
 class Gloo:
-    """Plain gloo point to point, receiving into a buffer of known shape. For GPU tensors it stages
-    through host memory (as MegaDPP's first transport did): copy out, send, receive, copy in."""
+    """Plain gloo point to point (CPU tensors), receiving into a buffer of known shape."""
 
-    def __init__(self, device):
-        self.device = device
-        self.name = "gloo" if device.type == "cpu" else "gloo via host"
+    name = "gloo"
 
     def isend(self, tensor, peer):
-        return dist.isend(tensor.cpu(), peer), None
+        return dist.isend(tensor, peer)
 
     def irecv(self, like, peer):
-        buffer = torch.empty(like.shape, dtype=like.dtype)
-        return dist.irecv(buffer, peer), buffer
+        return dist.irecv(torch.empty_like(like), peer)
 
-    def done(self, pending):
-        work, buffer = pending
+    @staticmethod
+    def done(work):
         work.wait()
-        if buffer is not None and self.device.type == "cuda":
-            buffer.to(self.device)
-            torch.cuda.current_stream().synchronize()
+
+
+class Nccl:
+    """NCCL send/recv into a buffer of known shape; done once the GPU has run it (as a CUDA IPC handle)."""
+
+    name = "NCCL"
+
+    def __init__(self):
+        self.group = dist.new_group(backend="nccl")
+
+    def isend(self, tensor, peer):
+        return dist.isend(tensor, peer, group=self.group), None
+
+    def irecv(self, like, peer):
+        buffer = torch.empty_like(like)
+        return dist.irecv(buffer, peer, group=self.group), buffer
+
+    @staticmethod
+    def done(pending):
+        pending[0].wait()
+        torch.cuda.current_stream().synchronize()
 
 
 class Transport:
@@ -106,23 +122,30 @@ def main():
                         help="bytes per bandwidth stream (at least 4 messages)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workload", type=parse_bytes, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--slot-bytes", type=parse_bytes, default=None,
+                        help="bytes per ring slot (default: the transport's, 4 MiB in shared memory, 16 MiB on GPUs)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: the CUDA IPC transport (the two ranks may share one GPU) against gloo via host")
     args = parser.parse_args()
+    if args.slot_bytes is None:
+        args.slot_bytes = DEFAULT_CUDA_SLOT_BYTES if args.device == "cuda" else DEFAULT_SLOT_BYTES
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        transport = Transport(cuda_ipc_transport(rank, [1 - rank], device=device.index, name="bench"), "CUDA IPC")
+        transport = Transport(cuda_ipc_transport(rank, [1 - rank], device=device.index, name="bench",
+                                                 slot_bytes=args.slot_bytes), "CUDA IPC")
+        links = [transport, Nccl()]
     else:
         device = torch.device("cpu")
-        transport = Transport(shared_memory_transport(rank, [1 - rank], name="bench", workload=args.workload), "shm")
-    links = [transport, Gloo(device)]
+        transport = Transport(shared_memory_transport(rank, [1 - rank], name="bench", workload=args.workload,
+                                                      slot_bytes=args.slot_bytes), "shm")
+        links = [transport, Gloo()]
     rows = []
     size = args.min_bytes
     while size <= args.max_bytes:
-        x = torch.ones(size // 4, device=device)
+        x = torch.rand(size // 4, device=device)
         iters = max(5, min(200, (64 << 20) // size))
         count = max(4, args.stream_bytes // size)
         row = [size]
@@ -134,14 +157,17 @@ def main():
         size *= 4
     transport.transport.close()
     if rank == 0:
-        print(f"\n{device}: slots {DEFAULT_SLOTS} x {DEFAULT_SLOT_BYTES >> 20} MiB, workload {args.workload} bytes\n")
-        ours, theirs = (link.name for link in links)
-        print(f"| message | {ours} latency (µs) | {theirs} latency (µs) | {ours} bandwidth (GB/s) | "
-              f"{theirs} bandwidth (GB/s) |")
-        print("|---:|---:|---:|---:|---:|")
-        for size, our_lat, their_lat, our_bw, their_bw in rows:
-            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            print(f"| {label} | {our_lat * 1e6:.1f} | {their_lat * 1e6:.1f} | {our_bw / 1e9:.2f} | {their_bw / 1e9:.2f} |")
+        print(f"\n{device}: slots {DEFAULT_SLOTS} x {args.slot_bytes >> 20} MiB, workload {args.workload} bytes; "
+              f"ratios: {links[0].name} / {links[1].name}\n")
+        names = [link.name for link in links]
+        print("| message | " + " | ".join(f"{n} latency (µs)" for n in names) + " | latency ratio | "
+              + " | ".join(f"{n} bandwidth (GB/s)" for n in names) + " | bandwidth ratio |")
+        print("|---:" * (2 * len(names) + 3) + "|")
+        for size, *cells in rows:
+            label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            lats, bws = cells[:len(names)], cells[len(names):]
+            print(f"| {label} | " + " | ".join(f"{t * 1e6:.1f}" for t in lats) + f" | {lats[0] / lats[1]:.2f} | "
+                  + " | ".join(f"{b / 1e9:.2f}" for b in bws) + f" | {bws[0] / bws[1]:.2f} |", flush=True)
     dist.destroy_process_group()
 
 

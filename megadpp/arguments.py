@@ -21,6 +21,10 @@ def add_arguments(parser):
     group.add_argument("--dpp-log-schedule", default=None, metavar="PATH",
                        help="write the actions each rank ran, per iteration, as JSON (torch.distributed.pipelining "
                             "action strings such as '3F0')")
+    group.add_argument("--dpp-timeout", type=float, default=None, metavar="SECONDS",
+                       help="a pipeline rank that waits this long for a neighbour's message (or for its own send "
+                            "to go out) stops the job naming that neighbour and the transfer (default: "
+                            "--distributed-timeout-minutes)")
     group.add_argument("--workload", type=int, default=None, metavar="BYTES",
                        help="bytes one copy thread of the shared-memory transport handles (copy parallelism)")
     group.add_argument("--multi-node", action="store_true",
@@ -54,7 +58,7 @@ def delays_requested(args):
 def any_flag_given(args):
     """Whether the plugin has something to do or check: --use-dpp, a delay, or a DPP option to refuse."""
     return (args.use_dpp or delays_requested(args) or args.dpp_max_inflight is not None
-            or args.dpp_log_schedule is not None)
+            or args.dpp_log_schedule is not None or args.dpp_timeout is not None)
 
 
 def validate_args(args):
@@ -65,7 +69,7 @@ def validate_args(args):
     else:
         for flag, value in (("--dpp-max-inflight", args.dpp_max_inflight),
                             ("--dpp-log-schedule", args.dpp_log_schedule),
-                            ("--dpp-jitter-ms", args.dpp_jitter_ms or None)):
+                            ("--dpp-jitter-ms", args.dpp_jitter_ms or None), ("--dpp-timeout", args.dpp_timeout)):
             _require(value is None, f"{flag} acts on the dynamic pipeline schedule: add --use-dpp")
     if args.dpp_log_schedule:
         directory = os.path.dirname(os.path.abspath(args.dpp_log_schedule))
@@ -73,6 +77,8 @@ def validate_args(args):
                  f"--dpp-log-schedule {args.dpp_log_schedule}: directory {directory} does not exist or is not writable")
     _require(args.dpp_max_inflight is None or args.dpp_max_inflight >= 1,
              f"--dpp-max-inflight must be at least 1, got {args.dpp_max_inflight}")
+    _require(args.dpp_timeout is None or args.dpp_timeout > 0,
+             f"--dpp-timeout must be a positive number of seconds, got {args.dpp_timeout}")
     _require(args.workload is None or args.workload > 0, f"--workload must be a positive byte count, got {args.workload}")
     if args.node_ips:
         for address in args.node_ips.split(","):
@@ -89,3 +95,9 @@ def validate_args(args):
     _require(args.dpp_delay_ms >= 0 and args.dpp_jitter_ms >= 0, "--dpp-delay-ms and --dpp-jitter-ms must not be negative")
     _require(0.0 < args.dpp_delay_probability <= 1.0,
              f"--dpp-delay-probability must be in (0, 1], got {args.dpp_delay_probability}")
+
+
+def stall_timeout(args):
+    """Seconds a DPP wait may last before the awaited neighbour counts as stalled: --dpp-timeout, or the
+    job's collective timeout (a static schedule's blocked exchange would fail after that long too)."""
+    return args.dpp_timeout if args.dpp_timeout is not None else args.distributed_timeout_minutes * 60.0

@@ -5,7 +5,7 @@ from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_model_config
 
-from megadpp.arguments import add_arguments, any_flag_given, validate_args
+from megadpp.arguments import add_arguments, any_flag_given, stall_timeout, validate_args
 from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
@@ -34,41 +34,37 @@ class MegaDPPPlugin:
                 StaticLinkDelay(args, len(model), get_num_microbatches(),
                                 get_model_config(model[0]).microbatch_group_size_per_vp_stage).install()
             return
-        transport, kind = self._transport(args, model)
+        transport, kind = self._transport(args)
         self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None
         self.schedule = DynamicPipelineSchedule(args.dpp_policy, transport, args.dpp_max_inflight, self.log,
-                                                arrival_delay(args))
+                                                arrival_delay(args), stall_timeout(args))
         cap = args.dpp_max_inflight or "what 1F1B holds"
         print_rank_0(f"MegaDPP: {args.dpp_policy} dynamic pipeline schedule over {kind}, "
                      f"activation cap per stage: {cap}")
 
     @staticmethod
-    def _transport(args, model):
+    def _transport(args):
         """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
-        torch.distributed across nodes). With --trace on CPU the transport reports each transfer to
-        MegaScan (its times are host clock readings, MegaScan's marks there); on GPUs, where MegaScan
-        marks with CUDA events, the transfers go over torch.distributed, where MegaScan records them."""
+        torch.distributed between CPUs of different nodes). With --trace the transport reports each transfer
+        to MegaScan (host clock times, which MegaScan places on its timeline beside its CUDA events on GPUs)."""
         # Imported here: loading the compiled transport prints what it lacks, which a run without
         # --use-dpp (or one refused at its flags) must not show.
-        from megadpp.transport import create_transport, distributed_transport
+        from megadpp.transport import create_transport
 
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         pipeline = dist.get_process_group_ranks(pp_group)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
-        if args.trace and args.device == "cuda":
-            device = next(model[0].parameters()).device
-            return (distributed_transport(dist.get_rank(), peers, device=device),
-                    f"torch.distributed ({dist.get_backend()}; --trace records its transfers)")
         observer = None
         if args.trace:
             import megascan
 
             observer = megascan.PLUGIN.session.transfer_reporter(f"megadpp-{pp_group.group_name}", pipeline, "pp")
-        local = "CUDA IPC (where built)" if args.device == "cuda" else "shared memory"
+        local = ("CUDA IPC" if args.device == "cuda" else "shared memory") + " within a node"
+        if args.multi_node:
+            local += ", torch.distributed across nodes"
         traced = "; --trace records its transfers" if observer else ""
-        return create_transport(args, peers, observer=observer), f"{local} within a node" + (
-            ", torch.distributed across nodes" if args.multi_node else "") + traced
+        return create_transport(args, peers, observer=observer), local + traced
 
     def forward_backward_func(self, args):
         return self.schedule

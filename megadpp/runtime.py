@@ -30,10 +30,17 @@ from megadpp.actions import BACKWARD, FORWARD, Action, StageLayout, peak_in_flig
 from megadpp.policy import StaticFirstPolicy
 from megadpp.progress import StageProgress
 from megadpp.static_orders import static_order
+from megatron.training.errors import UserError
 
 _KINDS = (FORWARD, BACKWARD)
 _KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward"}  # a message's phase: "forward-send", ... (megatron's)
 _IDLE_SLEEP_S = (20e-6, 1e-3)  # back-off while nothing is ready: from, to
+_MESSAGE_NAMES = {FORWARD: "activation", BACKWARD: "output gradient"}  # what a stream of each kind carries
+
+
+class PipelineStallError(UserError):
+    """A pipeline neighbour sent nothing (or took nothing) for --dpp-timeout seconds: it is stalled or dead.
+    Not the user's mistake, but told the same way: one line naming the peer and the transfer, and an exit."""
 
 
 def channel_of(kind, receiving_chunk, chunks):
@@ -89,6 +96,13 @@ class _Inbox:
                 self.arrived[key].append((visible_at, handle.wait()))
                 self._post(key)
 
+    def describe_wait(self, kind, chunk, microbatch):
+        """The message an action waits for, and who sends it: for a stall report."""
+        sender, sender_chunk = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
+        return (f"the {_MESSAGE_NAMES[kind]} of microbatch {microbatch} for chunk {chunk} from rank "
+                f"{self.pipeline_ranks[sender]} (its chunk {sender_chunk}, transport tag "
+                f"{channel_of(kind, chunk, self.layout.chunks)})")
+
     def has(self, kind, chunk):
         queue = self.arrived[(kind, chunk)]
         return bool(queue) and queue[0][0] <= time.perf_counter()
@@ -105,9 +119,11 @@ def default_caps(stages, chunks, microbatches, group_size):
 class DynamicPipelineSchedule:
     """Called like megatron-core's schedules; ``transport`` moves tensors between pipeline ranks."""
 
-    def __init__(self, policy, transport, max_in_flight=None, schedule_log=None, arrival_delay=None):
+    def __init__(self, policy, transport, max_in_flight=None, schedule_log=None, arrival_delay=None,
+                 stall_timeout=None):
         self.policy_name = policy
         self.transport = transport
+        self.stall_timeout = stall_timeout  # seconds without progress before a wait is a stalled peer; None: wait on
         self.max_in_flight = max_in_flight
         self.schedule_log = schedule_log  # records what each iteration ran, or None
         self.arrival_delay = arrival_delay  # fault injection: holds received messages back (fault_injection.py)
@@ -196,9 +212,9 @@ class _Iteration:
 
     def _next_action(self):
         if self.tp_size == 1:
-            return self._wait_until(self._choice)
+            return self._wait_until(self._choice, self._awaited_inputs)
         if dist.get_rank() == self.tp_leader:
-            action = self._wait_until(self._choice)
+            action = self._wait_until(self._choice, self._awaited_inputs)
             decision = torch.tensor([_KINDS.index(action.kind), action.chunk, action.microbatch],
                                     dtype=torch.long, device=self.device)
         else:
@@ -208,18 +224,34 @@ class _Iteration:
         action = Action(_KINDS[kind], chunk, microbatch)
         if action not in self.progress.candidates():  # TP ranks diverged: a bug, never a user error
             raise RuntimeError(f"DPP: tensor-parallel leader chose {action}, not a candidate here")
-        self._wait_until(lambda: self.inbox.poll() or self._arrived(action))
+        self._wait_until(lambda: self.inbox.poll() or self._arrived(action),
+                         lambda: self.inbox.describe_wait(*action))
         return action
 
-    def _wait_until(self, condition):
+    def _awaited_inputs(self):
+        waiting = [self.inbox.describe_wait(*a) for a in self.progress.candidates() if not self._arrived(a)]
+        return " or ".join(waiting) or "an action the policy would run"
+
+    def _wait_until(self, condition, awaited):
+        """Poll ``condition`` until it holds; past the stall timeout, stop naming ``awaited()``."""
         pause = _IDLE_SLEEP_S[0]
+        started = time.monotonic()
         while not (result := condition()):
             time.sleep(pause)
             pause = min(pause * 2, _IDLE_SLEEP_S[1])
+            timeout = self.schedule.stall_timeout
+            if timeout is not None and time.monotonic() - started > timeout:
+                raise PipelineStallError(
+                    f"MegaDPP: rank {dist.get_rank()} (pipeline stage {self.layout.pp_rank}) waited "
+                    f"{timeout:g} s for {awaited()}; that rank is stalled or dead (--dpp-timeout sets "
+                    f"this limit)")
         return result
 
     def _wait(self, handle):
-        self._wait_until(handle.is_completed)
+        phase, microbatch, chunk = handle.label
+        self._wait_until(handle.is_completed,
+                         lambda: f"its {phase} of microbatch {microbatch} (chunk {chunk}) to rank {handle.peer} "
+                                 f"to complete")
 
     # -- running --------------------------------------------------------------------------------------
 

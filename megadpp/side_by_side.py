@@ -34,6 +34,8 @@ class ScheduleRun:
     name: str
     losses: list = field(default_factory=list)  # per iteration: {name: float} (last pipeline stage only)
     seconds: list = field(default_factory=list)  # per iteration, this rank's wall time of the train step
+    grad_norms: list = field(default_factory=list)  # per iteration (every rank: the norm is global)
+    peak_memory_bytes: int = 0  # this rank's peak GPU memory over the run (0 on CPU)
     weights: torch.Tensor = None  # this rank's parameters after the last iteration, flattened
 
 
@@ -66,13 +68,16 @@ def run_schedule(job, entry, spec, iterations, schedule_log=None):
         policy, cap = parse_schedule(spec)
         shared = megadpp.PLUGIN.schedule
         trainer.forward_backward = DynamicPipelineSchedule(policy, shared.transport, cap or args.dpp_max_inflight,
-                                                           schedule_log, shared.arrival_delay)
+                                                           schedule_log, shared.arrival_delay, shared.stall_timeout)
         link_delay = None  # DPP's receivers hold the slow link's messages back (the plugin's arrival_delay)
     else:
         trainer.forward_backward = get_forward_backward_func()
         link_delay = StaticLinkDelay(args, len(model), get_num_microbatches(),
                                      get_model_config(model[0]).microbatch_group_size_per_vp_stage)
     run = ScheduleRun(spec)
+    on_gpu = torch.cuda.is_available() and args.device == "cuda"
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
     if link_delay is not None:
         link_delay.install()
     try:
@@ -80,11 +85,14 @@ def run_schedule(job, entry, spec, iterations, schedule_log=None):
             if schedule_log is not None:
                 schedule_log.iteration = iteration
             start = time.perf_counter()
-            losses, _, _ = trainer.train_step(iterators[0])
+            losses, grad_norm, _ = trainer.train_step(iterators[0])
+            run.losses.append({name: float(value) for name, value in losses.items()})  # float(): waits for the GPU
+            run.grad_norms.append(float(grad_norm))
             run.seconds.append(time.perf_counter() - start)
-            run.losses.append({name: float(value) for name, value in losses.items()})
     finally:
         if link_delay is not None:
             link_delay.uninstall()
     run.weights = torch.cat([p.detach().float().flatten() for chunk in model for p in chunk.parameters()])
+    if on_gpu:
+        run.peak_memory_bytes = torch.cuda.max_memory_allocated()
     return run

@@ -1,10 +1,14 @@
-"""Point-to-point transfers that bypass torch.distributed (MegaDPP's shared-memory transport). The transport
-reports each transfer once it is complete (its observer, megadpp/transport/base.py: TransferEvent), and
-it is recorded as the same send / recv op the process-group tracer (comm_tracer.py) records, through the
-same Recorder calls, so aggregation matches both ends and draws the flow. The transport numbers the
-messages of each directed channel itself: that number is the op's sequence, equal on both ends.
+"""Point-to-point transfers that bypass torch.distributed (MegaDPP's shared-memory and CUDA IPC transports).
+The transport reports each transfer once it is complete (its observer, megadpp/transport/base.py:
+TransferEvent), and it is recorded as the same send / recv op the process-group tracer (comm_tracer.py)
+records, through the same Recorder calls, so aggregation matches both ends and draws the flow. The
+transport numbers the messages of each directed channel itself: that number is the op's sequence, equal on
+both ends.
 
-Its times are host clock readings (perf_counter_ns), i.e. marks of the host timer: a traced run on CPU.
+Its times are host clock readings (perf_counter_ns): on CPU they are MegaScan's marks; on GPUs, where marks
+are CUDA events, the window's clock places host readings on the same wall clock as the events
+(timing.CudaWindowClock). A GPU transfer's times are then when the host asked for it and when the host saw
+its copies complete on the GPU: later than the GPU's own by the completion's wake-up (tens of µs).
 """
 
 
@@ -12,9 +16,6 @@ class TransferReporter:
     """The observer to give a transport: records its transfers while a trace window is open."""
 
     def __init__(self, recorder, group, ranks, role):
-        if recorder.timer.source != "host_clock":
-            raise ValueError("reported transfers carry host clock times; this trace times with "
-                             f"{recorder.timer.source}")
         self.recorder, self.group, self.ranks, self.role = recorder, group, list(ranks), role
 
     def __call__(self, event):

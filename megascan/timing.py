@@ -1,7 +1,8 @@
 """Timestamps that cost no synchronization while tracing, resolved to wall-clock microseconds later.
 
 ``mark()`` runs on the training thread: on GPU it records a CUDA event (taken from a reusable pool)
-on the current stream, on CPU it reads the host's monotonic clock. ``WindowClock`` turns the marks
+on the current stream, on CPU it reads the host's monotonic clock (a GPU window also takes such host
+readings, from transports that report their transfers). ``WindowClock`` turns the marks
 of one trace window into microseconds on this host's wall clock; it runs on the writer thread,
 after the window, where waiting for an event blocks nobody but the writer.
 """
@@ -97,10 +98,13 @@ class CudaWindowClock:
                 best = (before, after, anchor)
         before, after, anchor = best
         self.anchor_wall_us = (before + after) / 2000.0
+        self.wall_minus_perf_ns = time.time_ns() - time.perf_counter_ns()
         self.anchor_gpu_us = self.base.elapsed_time(anchor) * 1000.0
         self.uncertainty_us = (after - before) / 2000.0
 
     def to_wall_us(self, mark):
+        if isinstance(mark, int):  # a host clock reading (a transport's reported transfer: reported_transfers.py)
+            return (mark + self.wall_minus_perf_ns) / 1000.0
         self.used[id(mark)] = mark
         _wait_for(mark)
         return self.anchor_wall_us + self.base.elapsed_time(mark) * 1000.0 - self.anchor_gpu_us

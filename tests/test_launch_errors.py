@@ -18,6 +18,10 @@ CASES = {
     "layers not divisible by the pipeline": (
         MOCK + ["--pipeline-model-parallel-size", "3"], {"WORLD_SIZE": "3"},
         "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+    "uneven pipeline split that leaves an uneven rest": (
+        MOCK + ["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"], {"WORLD_SIZE": "3"},
+        "--num-layers 4 minus --decoder-first-pipeline-num-layers leaves 1 layers, which do not split evenly over "
+        "the other 2 pipeline stage(s)"),
     "data parallelism does not divide the global batch": (
         MOCK + ["--global-batch-size", "6"], {"WORLD_SIZE": "4"},
         "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 4"),

@@ -2,10 +2,13 @@
 
 import os
 import secrets
+import shutil
+import subprocess
+import sys
 
 import pytest
 
-from launch import assert_succeeded, torchrun
+from launch import REPO, assert_succeeded, torchrun
 from megadpp.transport import cuda_ipc_available
 from megadpp.transport._shm import segment_bytes
 
@@ -63,3 +66,23 @@ def test_too_little_dev_shm_is_one_line_naming_the_size_needed():
         in lines[0]
     assert "exitcode  : 2" in result.stderr  # a user error: exit_on_user_error's code, no traceback
     assert "megadpp/transport/" not in result.stderr  # no stack through the transport (torchrun prints its own)
+
+
+def test_missing_compiled_parts_are_named_as_missing(tmp_path):
+    """A checkout whose extension was never built: the import says which part is missing (not an import
+    cycle, as a `from package import module` of a missing module reads), and using it is one line that
+    says how to build it."""
+    copy = tmp_path / "checkout"
+    shutil.copytree(REPO / "megadpp", copy / "megadpp", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copytree(REPO / "megatron", copy / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
+    probe = ("from megadpp.transport import shared_memory_transport, TransportSetupError\n"
+             "try:\n    shared_memory_transport(0, [])\nexcept TransportSetupError as error:\n    print(error)\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=copy, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(copy)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert lines[0] == ("megadpp transport: CUDA IPC part not built (it is built only where CUDA's compiler is "
+                        "found at build time); shared memory and torch.distributed transports only"), lines
+    assert lines[1].startswith("megadpp transport: the shared-memory part of the C++ extension is not built; "
+                               "build it in the repository with `pip install --no-build-isolation -e .`"), lines
+    assert "circular import" not in result.stdout + result.stderr

@@ -24,6 +24,7 @@ LAYOUTS = {
     "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "tp2_dp2_distributed_optimizer_overlap": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer",
                                                   "--overlap-grad-reduce", "--overlap-param-gather"]),
+    "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"]),
     "pp2_virtual": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_sequence_parallel": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2_recompute_full": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",

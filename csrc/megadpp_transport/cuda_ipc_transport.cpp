@@ -10,6 +10,15 @@
 //   receiver: see the header -> wait ready[slot] -> copy the slot into the new tensor -> record
 //             freed[slot] -> consume the header
 // A request completes when its last copy has run on the GPU (an event a completer thread waits for).
+//
+// Memory of received tensors: the receiving thread allocates them from the caching allocator's pool of
+// its own copy stream, never from the default stream's. A block of the default stream's pool is handed
+// out again as soon as the training thread frees it, while kernels queued on that stream may still read
+// or write it; a copy into it on this (unordered) stream would then race with them (it did on H100s:
+// wrong gradients every few iterations). The consumer's side of the same rule is in Python
+// (megadpp/transport/native.py): the handle marks a received tensor as used on the stream current where
+// it is taken, so its block returns to this pool only once that stream's work on it has run.
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #include <map>
@@ -46,8 +55,10 @@ inline cudaEvent_t new_event(bool interprocess) {
   return event;
 }
 
-// Completes requests once their last GPU copy has run: waits (sleeping: blocking-sync events) on one
-// event after another, off the channel threads so that they keep feeding the rings meanwhile.
+// Completes requests once their last GPU copy has run: waits on one event after another, off the channel
+// threads so that they keep feeding the rings meanwhile. It polls an event briefly (a small message's
+// copy is microseconds away, and waking from a blocking-sync wait costs about as much again), then
+// sleeps until the GPU signals it (blocking-sync events): a long copy costs no CPU.
 class Completer {
  public:
   explicit Completer(int device) : device_(device), thread_([this] { run(); }) {}
@@ -79,7 +90,10 @@ class Completer {
         item = queue_.front();
         queue_.pop_front();
       }
-      cudaError_t err = cudaEventSynchronize(item.second);
+      cudaEvent_t done = item.second;
+      cudaError_t err = cudaErrorNotReady;
+      spin_for([&] { return (err = cudaEventQuery(done)) != cudaErrorNotReady; });
+      if (err == cudaErrorNotReady) err = cudaEventSynchronize(done);
       cudaEventDestroy(item.second);
       item.first->complete(err == cudaSuccess ? "" : std::string("megadpp transport: ") + cudaGetErrorString(err));
     }
@@ -152,12 +166,19 @@ class CudaSendChannel {
     // The copies run on this channel's stream: they must start after whatever produced the tensor.
     cudaEvent_t produced = new_event(false);
     MEGADPP_CUDA(cudaEventRecord(produced, c10::cuda::getCurrentCUDAStream(device_).stream()));
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      check(!stopping_, "megadpp transport: send on a closed transport");
-      request->seq = next_seq_++;
-      queue_.emplace_back(request, produced);
+    std::unique_lock<std::mutex> lock(mutex_);
+    check(!stopping_, "megadpp transport: send on a closed transport");
+    request->seq = next_seq_++;
+    uint64_t one_slot = std::min<uint64_t>(kInlineBytes, cuda_setup(ring_.control)->slot_bytes);
+    if (queue_.empty() && !busy_ && request->nbytes <= one_slot && ring_has_room()) {
+      // A small message with nothing ahead of it and a free slot: issue its copy now, on the caller's
+      // thread, rather than pay a hand-over to the channel thread (latency of small messages). Under
+      // the lock, so that the channel thread cannot start a later message meanwhile.
+      launch(request, produced);
+      return request;
     }
+    queue_.emplace_back(request, produced);
+    lock.unlock();
     cv_.notify_one();
     return request;
   }
@@ -191,18 +212,31 @@ class CudaSendChannel {
         if (stopping_) return;
         item = queue_.front();
         queue_.pop_front();
+        busy_ = true;
       }
-      cudaStreamWaitEvent(stream_, item.second, 0);
-      cudaEventDestroy(item.second);
-      std::string error = send(*item.first);
-      if (!error.empty()) {
-        item.first->complete(error);
-        continue;
-      }
-      cudaEvent_t done = new_event(false);
-      cudaEventRecord(done, stream_);
-      completer_->add(item.first, done);
+      launch(item.first, item.second);
+      std::lock_guard<std::mutex> lock(mutex_);
+      busy_ = false;
     }
+  }
+
+  // Queue one request's copies on the channel's stream (after ``produced``) and hand its completion over.
+  void launch(const RequestPtr& request, cudaEvent_t produced) {
+    cudaStreamWaitEvent(stream_, produced, 0);
+    cudaEventDestroy(produced);
+    std::string error = send(*request);
+    if (!error.empty()) {
+      request->complete(error);
+      return;
+    }
+    cudaEvent_t done = new_event(false);
+    cudaEventRecord(done, stream_);
+    completer_->add(request, done);
+  }
+
+  // Whether a one-chunk message can take a slot without waiting.
+  bool ring_has_room() const {
+    return ring_.control->head.load() - ring_.control->tail.load(std::memory_order_acquire) < ring_.control->slots;
   }
 
   std::string send(Request& request) {
@@ -242,6 +276,7 @@ class CudaSendChannel {
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::pair<RequestPtr, cudaEvent_t>> queue_;
+  bool busy_ = false;  // the channel thread is issuing a message (guarded by mutex_)
   std::atomic<bool> stopping_{false};
   uint64_t next_seq_ = 0;
 };
@@ -293,6 +328,8 @@ class CudaRecvChannel {
  private:
   void run() {
     cudaSetDevice(device_);
+    // Received tensors come from this stream's pool (see the top of this file).
+    c10::cuda::CUDAStreamGuard allocate_on_copy_stream(c10::cuda::getStreamFromExternal(stream_, device_));
     auto stop = [&] { return stopping_.load() || ring_.control->closed.load(std::memory_order_acquire) != 0; };
     uint64_t slot_bytes = cuda_setup(ring_.control)->slot_bytes;
     uint64_t index;

@@ -19,8 +19,10 @@ class TransferEvent:
 
 
 class Handle(abc.ABC):
-    """One outstanding send or receive. ``label``: anything the caller wants its TransferEvent to carry
-    (the schedule: which microbatch and chunk the message belongs to)."""
+    """One outstanding send or receive with ``peer`` (global rank). ``label``: anything the caller wants its
+    TransferEvent to carry (the schedule: which microbatch and chunk the message belongs to)."""
+
+    peer: int
 
     @abc.abstractmethod
     def is_completed(self) -> bool:

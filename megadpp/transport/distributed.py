@@ -1,5 +1,5 @@
-"""Across nodes: torch.distributed isend/irecv (NCCL on GPUs, which uses RDMA where present; gloo on
-CPU) behind the transport interface. A message is a fixed-size header (tag, dtype, shape) followed by
+"""Across nodes: torch.distributed isend/irecv on gloo (CPU tensors) behind the transport interface (NCCL
+is refused: see ``DistributedTransport``). A message is a fixed-size header (tag, dtype, shape) followed by
 its bytes; receives match by tag exactly as the shared-memory transport does.
 
 torch.distributed's point-to-point works cannot be polled on gloo (``is_completed()`` turns true only
@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megadpp.transport.base import Handle, Transport, TransferEvent
+from megadpp.transport.native import TransportSetupError
 
 MAX_DIMS = 16
 HEADER_WORDS = 3 + MAX_DIMS  # tag, dtype index, ndim, shape
@@ -53,13 +54,13 @@ class _Transfer:
 
 
 class DistributedHandle(Handle):
-    __slots__ = ("_transport", "_transfer", "_op", "_peer", "_sent", "_reported", "label")
+    __slots__ = ("_transport", "_transfer", "_op", "peer", "_sent", "_reported", "label")
 
     def __init__(self, transport, transfer, op, peer, sent=None):
         self._transport = transport
         self._transfer = transfer
         self._op = op
-        self._peer = peer
+        self.peer = peer
         self._sent = sent
         self._reported = False
         self.label = None
@@ -76,17 +77,17 @@ class DistributedHandle(Handle):
 
     def wait(self, timeout=None):
         if not self._transfer.done.wait(timeout):
-            raise TimeoutError(f"megadpp transport: {self._op} with rank {self._peer} "
+            raise TimeoutError(f"megadpp transport: {self._op} with rank {self.peer} "
                                f"(tag {self._transfer.tag}) not done after {timeout} s")
         return self._finish()
 
     def _finish(self):
         transfer = self._transfer
         if transfer.error is not None:
-            raise RuntimeError(f"megadpp transport: {self._op} with rank {self._peer} failed: {transfer.error}")
+            raise RuntimeError(f"megadpp transport: {self._op} with rank {self.peer} failed: {transfer.error}")
         if not self._reported and self._transport.observer is not None:
             self._reported = True
-            self._transport.observer(TransferEvent(self._op, self._peer, transfer.nbytes, transfer.seq,
+            self._transport.observer(TransferEvent(self._op, self.peer, transfer.nbytes, transfer.seq,
                                                    transfer.tag, transfer.start_ns, transfer.end_ns, self.label))
         return self._sent if self._op == "send" else transfer.tensor
 
@@ -103,14 +104,16 @@ class _Inbox:
 
 class DistributedTransport(Transport):
     def __init__(self, rank, peers, *, group=None, device=None, observer=None):
+        if dist.get_backend(group) == "nccl":
+            # NCCL runs a pair's sends and receives in order on one stream: a receive posted ahead holds back
+            # this rank's later sends to that peer. Its GPU check hung (docs/megadpp.md): refused, not risked.
+            raise TransportSetupError("megadpp transport: the torch.distributed transport runs on gloo (CPU "
+                                      "tensors) only; between GPUs of one node MegaDPP uses CUDA IPC")
         self.rank = rank
         self.peers = sorted(set(peers) - {rank})
         self.group = group
         self.observer = observer
-        if device is None:
-            nccl = dist.get_backend(group) == "nccl"
-            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = torch.device("cpu" if device is None else device)
         self._send_seq = dict.fromkeys(self.peers, 0)
         self._inboxes = {peer: _Inbox() for peer in self.peers}
         self._lock = threading.Condition()
@@ -159,7 +162,6 @@ class DistributedTransport(Transport):
         self._sends.put(None)
 
     def _complete_sends(self):
-        self._set_device()
         while (item := self._sends.get()) is not None:
             transfer, works = item
             try:
@@ -170,7 +172,6 @@ class DistributedTransport(Transport):
                 transfer.complete(str(error).splitlines()[0])
 
     def _receive_from(self, peer):
-        self._set_device()
         inbox = self._inboxes[peer]
         while True:
             with self._lock:
@@ -205,7 +206,3 @@ class DistributedTransport(Transport):
                     transfer.complete(why)
             inbox.posted.clear()
             inbox.waiting = 0
-
-    def _set_device(self):
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)

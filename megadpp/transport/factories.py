@@ -6,10 +6,14 @@ import torch
 import torch.distributed as dist
 
 from megadpp.transport import node
+from megadpp.transport.native import TransportSetupError
 from megadpp.transport.routed import RoutedTransport
 
 DEFAULT_SLOTS = 8
 DEFAULT_SLOT_BYTES = 4 << 20
+# GPU rings take 16 MiB slots: a slot's chunk costs host work on both sides (events, a header), and on H100s
+# 4 MiB chunks reached 0.44x NCCL's bandwidth for large messages, 16 MiB ones 0.74x (docs/benchmarks.md).
+DEFAULT_CUDA_SLOT_BYTES = 16 << 20
 DEFAULT_WORKLOAD = 4 << 20  # bytes one copy thread handles; a slot of 4 MiB is copied by one thread
 
 
@@ -25,7 +29,7 @@ def shared_memory_transport(rank, peers, *, store=None, name="megadpp", slots=DE
 
 
 def cuda_ipc_transport(rank, peers, *, device=None, store=None, name="megadpp", slots=DEFAULT_SLOTS,
-                       slot_bytes=DEFAULT_SLOT_BYTES, shm_limit_bytes=None, observer=None, timeout=300.0):
+                       slot_bytes=DEFAULT_CUDA_SLOT_BYTES, shm_limit_bytes=None, observer=None, timeout=300.0):
     """GPU tensors of processes of one node (they may share one GPU); ``device``: this rank's GPU
     (default: the current one). Options as for ``shared_memory_transport``."""
     return node.cuda_ipc(rank, peers, device=device, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
@@ -33,8 +37,8 @@ def cuda_ipc_transport(rank, peers, *, device=None, store=None, name="megadpp", 
 
 
 def distributed_transport(rank, peers, *, group=None, device=None, observer=None):
-    """torch.distributed isend/irecv (NCCL across nodes, gloo on CPU); ``device`` holds received
-    tensors (default: the current GPU under NCCL, else CPU). ``rank`` and ``peers`` are global ranks."""
+    """torch.distributed isend/irecv on gloo (CPU tensors; NCCL is refused in one line); ``device`` holds
+    received tensors (default: CPU). ``rank`` and ``peers`` are global ranks."""
     from megadpp.transport.distributed import DistributedTransport
 
     return DistributedTransport(rank, peers, group=group, device=device, observer=observer)
@@ -56,15 +60,20 @@ def ranks_per_node(args, world_size):
 
 def create_transport(args, peers, observer=None):
     """The transport a run's flags ask for: peers on this node over shared memory (CPU) or CUDA IPC
-    (GPU); with ``--multi-node``, peers on other nodes over torch.distributed. Reads args.device,
-    args.multi_node, args.node_ips, args.workload; collective over all ranks of ``peers``."""
+    (GPU: without the CUDA IPC part built, a one-line TransportSetupError says how to build it); with
+    ``--multi-node``, CPU peers on other nodes over torch.distributed (GPU peers there are refused: see
+    docs/megadpp.md). Reads args.device, args.multi_node, args.node_ips, args.workload; collective over
+    all ranks of ``peers``."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     per_node = ranks_per_node(args, world_size) if getattr(args, "multi_node", False) else world_size
     local = [p for p in peers if p // per_node == rank // per_node and p != rank]
     remote = [p for p in peers if p // per_node != rank // per_node]
     routes = {}
-    if local and getattr(args, "device", "cpu") == "cuda" and not cuda_ipc_available():
-        remote, local = remote + local, []  # the import said the CUDA IPC part is missing: NCCL it is
+    if getattr(args, "device", "cpu") == "cuda" and remote:
+        raise TransportSetupError(
+            f"megadpp transport: ranks {remote} are pipeline neighbours on other nodes, and DPP between GPUs of "
+            "different nodes would go over torch.distributed with NCCL, which hung in its GPU check "
+            "(docs/megadpp.md); keep each pipeline within a node, or drop --use-dpp")
     if local:
         if getattr(args, "device", "cpu") == "cuda":
             routes.update(dict.fromkeys(local, cuda_ipc_transport(rank, local, observer=observer)))

@@ -1,8 +1,9 @@
 """The compiled part of the transport (csrc/megadpp_transport) and the handle over its requests."""
 
+import importlib
 import os
 
-import torch  # noqa: F401  first: loads libc10/libtorch, which the CUDA IPC extension links against
+import torch  # first: loads libc10/libtorch, which the CUDA IPC extension links against
 
 from megadpp.transport.base import Handle, TransferEvent
 from megatron.training.errors import UserError
@@ -12,19 +13,28 @@ class TransportSetupError(UserError):
     """The transport cannot start here (not built, /dev/shm too small): one line, exit code 2."""
 
 
-try:
-    from megadpp.transport import _shm
-except ImportError as error:  # an install without the build step
-    _shm = None
-    _SHM_MISSING = str(error)
+BUILD_HINT = ("build it in the repository with `pip install --no-build-isolation -e .` "
+              "(or `python3 setup.py build_ext --inplace`)")
 
-try:
-    from megadpp.transport import _cuda_ipc
-except ImportError as error:
-    _cuda_ipc = None
-    # Not built (no CUDA at build time) or built but not loadable here: say which.
-    _CUDA_IPC_MISSING = ("not built (no CUDA at build time)" if isinstance(error, ModuleNotFoundError)
-                         else f"built but not loadable ({error})")
+
+def _load(name):
+    """The compiled module, or None and why not. By its full name, not ``from megadpp.transport import``:
+    a module that was never built must read as missing, not as the package's partial initialisation."""
+    try:
+        return importlib.import_module(f"megadpp.transport.{name}"), None
+    except ModuleNotFoundError as error:
+        if error.name != f"megadpp.transport.{name}":  # the module is there, a library it needs is not
+            return None, f"built but not loadable ({error})"
+        return None, "not built"
+    except ImportError as error:  # built against another torch or CUDA, a missing symbol, ...
+        return None, f"built but not loadable ({error})"
+
+
+_shm, _SHM_MISSING = _load("_shm")
+_cuda_ipc, _CUDA_IPC_MISSING = _load("_cuda_ipc")
+if _cuda_ipc is None:
+    if _CUDA_IPC_MISSING == "not built":
+        _CUDA_IPC_MISSING += " (it is built only where CUDA's compiler is found at build time)"
     # One line per node (not per rank), on stdout: stderr carries a failed launch's single error line.
     if os.environ.get("LOCAL_RANK", "0") == "0":
         print(f"megadpp transport: CUDA IPC part {_CUDA_IPC_MISSING}; shared memory and "
@@ -33,29 +43,31 @@ except ImportError as error:
 
 def shm_module():
     if _shm is None:
-        raise TransportSetupError(f"megadpp transport: the C++ extension is not built ({_SHM_MISSING}); "
-                                  "run `pip install --no-build-isolation -e .` in the repository")
+        raise TransportSetupError(f"megadpp transport: the shared-memory part of the C++ extension is {_SHM_MISSING}; "
+                                  f"{BUILD_HINT}")
     return _shm
 
 
 def cuda_ipc_module():
     if _cuda_ipc is None:
-        raise TransportSetupError(f"megadpp transport: CUDA IPC is {_CUDA_IPC_MISSING} in this install; "
-                                  "reinstall on a machine with nvcc, or use the distributed transport")
+        raise TransportSetupError(f"megadpp transport: the CUDA IPC part, which moves DPP's tensors between the GPUs "
+                                  f"of a node, is {_CUDA_IPC_MISSING}; {BUILD_HINT} on a machine with CUDA's "
+                                  f"compiler (nvcc)")
     return _cuda_ipc
 
 
 class NativeHandle(Handle):
     """A send or receive carried out by a C++ channel thread; reports itself to the observer once."""
 
-    __slots__ = ("_request", "_op", "_peer", "_observer", "_sent", "label")
+    __slots__ = ("_request", "_op", "peer", "_observer", "_sent", "_taken", "label")
 
     def __init__(self, request, op, peer, observer, sent=None):
         self._request = request
         self._op = op
-        self._peer = peer
+        self.peer = peer
         self._observer = observer
         self._sent = sent  # a send returns the caller's tensor, not the contiguous copy it sent
+        self._taken = False  # a received tensor is marked as used on the taker's stream once
         self.label = None
 
     def is_completed(self):
@@ -70,7 +82,7 @@ class NativeHandle(Handle):
 
     def wait(self, timeout=None):
         if not self._request.wait(-1.0 if timeout is None else float(timeout)):
-            raise TimeoutError(f"megadpp transport: {self._op} with rank {self._peer} (tag {self._request.tag}) "
+            raise TimeoutError(f"megadpp transport: {self._op} with rank {self.peer} (tag {self._request.tag}) "
                                f"not done after {timeout} s")
         return self._finish()
 
@@ -80,6 +92,14 @@ class NativeHandle(Handle):
             raise RuntimeError(request.error)
         if self._observer is not None:
             observer, self._observer = self._observer, None
-            observer(TransferEvent(self._op, self._peer, request.nbytes, request.seq, request.tag,
+            observer(TransferEvent(self._op, self.peer, request.nbytes, request.seq, request.tag,
                                    request.start_ns, request.end_ns, self.label))
-        return self._sent if self._op == "send" else request.tensor
+        if self._op == "send":
+            return self._sent
+        tensor = request.tensor
+        if tensor.is_cuda and not self._taken:
+            # The CUDA IPC receiver allocated it from its copy stream's pool (cuda_ipc_transport.cpp): its
+            # memory must go back there only after the work the taker queues on its own stream has run.
+            self._taken = True
+            tensor.record_stream(torch.cuda.current_stream(tensor.device))
+        return tensor

@@ -83,6 +83,10 @@ def _add_training_args(parser):
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit (after saving, when --save is set) at an iteration divisible by this")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="deterministic kernels only (torch.use_deterministic_algorithms; cuBLAS workspace and "
+                        "NCCL's ring algorithm set unless given): the same run twice computes the same numbers, "
+                        "slower; with --attention-backend local or unfused on GPUs")
     g.add_argument("--use-cpu-initialization", action="store_true",
                    help="initialize weights on the CPU, identically for every parallel layout")
     g.add_argument("--clip-grad", type=float, default=1.0)
@@ -125,6 +129,11 @@ def _add_parallel_args(parser):
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers of the first pipeline stage (default: an even split); the other "
+                        "stages share the rest evenly")
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="transformer layers of the last pipeline stage (default: an even split)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")

@@ -30,6 +30,8 @@ def transformer_config(args):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
         sequence_parallel=args.sequence_parallel,
         use_cpu_initialization=args.use_cpu_initialization,
         params_dtype=args.params_dtype,

@@ -12,7 +12,17 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 from megatron.training.cpu_compat import install_cpu_compat
 
 
+def _use_deterministic_kernels():
+    """--deterministic-mode. cuBLAS reads its workspace setting, and NCCL its algorithm, when they start, so
+    the environment is set before either does; a setting the user gave is kept."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "Ring")
+    torch.use_deterministic_algorithms(True)
+
+
 def _init_process_group(args, plugin_start=None):
+    if args.deterministic_mode:
+        _use_deterministic_kernels()
     # A plugin may start the group over part of the launched processes; it goes first because it may
     # change this process's settings (MegaFBD's forward instances: device, tensor-parallel size).
     started_by_plugin = plugin_start is not None and plugin_start(args)

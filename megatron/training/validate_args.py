@@ -24,8 +24,11 @@ def _validate_layout(args, world_size):
              f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
              f"--pipeline-model-parallel-size {pp}; launch a multiple of {tp * pp} processes")
     args.data_parallel_size = world_size // (tp * pp)
-    _require(args.num_layers % pp == 0,
-             f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None:
+        _validate_uneven_stages(args, pp)
+    else:
+        _require(args.num_layers % pp == 0,
+                 f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         _require(pp > 1, "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1")
@@ -40,6 +43,23 @@ def _validate_layout(args, world_size):
              f"--tensor-model-parallel-size {tp}")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split with one TP rank
+
+
+def _validate_uneven_stages(args, pp):
+    """Megatron-LM's uneven split: the first and/or last stage get the layers given, the others the rest."""
+    given = {flag: value for flag, value in (("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+                                             ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers))
+             if value is not None}
+    flags = " and ".join(given)
+    _require(pp > 1, f"{flags} needs --pipeline-model-parallel-size > 1")
+    _require(args.num_layers_per_virtual_pipeline_stage is None,
+             f"{flags} cannot be combined with --num-layers-per-virtual-pipeline-stage here")
+    for flag, value in given.items():
+        _require(value >= 1, f"{flag} must be at least 1, got {value}")
+    rest, middle = args.num_layers - sum(given.values()), pp - len(given)
+    _require(rest >= 0 and (rest == 0) == (middle == 0) and (middle == 0 or rest % middle == 0),
+             f"--num-layers {args.num_layers} minus {flags} leaves {rest} layers, which do not split evenly "
+             f"over the other {middle} pipeline stage(s)")
 
 
 def _validate_batch(args):
@@ -120,6 +140,9 @@ def _validate_kernels(args):
         _require(not (on_cpu and args.attention_backend == "flash" and args.attention_dropout > 0),
                  "--attention-backend flash on CPU has no attention dropout; set --attention-dropout 0 "
                  "or use --attention-backend auto")
+    _require(not (args.deterministic_mode and not on_cpu and args.attention_backend not in ("local", "unfused")),
+             f"--deterministic-mode on GPUs needs --attention-backend local or unfused (got "
+             f"{args.attention_backend}): the fused attention kernels' backward accumulates with atomics")
     if args.enable_cuda_graph:
         _require(args.cuda_graph_impl in (None, "local"),
                  "--enable-cuda-graph means --cuda-graph-impl local; give only one of them")

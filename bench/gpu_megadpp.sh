@@ -1,0 +1,136 @@
+#!/usr/bin/env bash
+# MegaDPP on the GPUs of one host (docs/benchmarks.md, docs/megadpp.md). Phases, in the order given
+# (default: all but speed):
+#   transport           CUDA IPC against NCCL send/recv between GPUs 0 and 1, 4 KiB to 1 GiB
+#                       (bench/transport_bandwidth.py)
+#   stress              DPP against the static schedule (bench/dpp_stress.py), REPS repetitions per policy of
+#                       10 iterations with random transfer delays and deterministic kernels (so that the static
+#                       schedule equals itself): PP4 and PP4 with a virtual pipeline (GPUs 0-3), PP2 (GPUs 0,1)
+#   fallback_and_stall  a copy of the repository without the CUDA IPC module starts PP2 on GPUs 2,3 (it must stop
+#                       at start-up with one line saying how to build it), beside PP2 with --dpp-timeout 10 on
+#                       GPUs 0,1 whose stage 1 is stopped (SIGSTOP) after iteration 3: the job must end naming it
+#   trace               PP4 traced (--trace) with scripts/gpu_load.py on GPU 2; tools/aggregate.py -d on its traces
+#   speed               (not run yet: docs/benchmarks.md) GPT 1.3B bf16 side by side (bench/dpp_side_by_side.py): PP4 (1F1B vs DPP) healthy, with a
+#                       slow link, with uneven stages and with GPU 2 under load; PP2 with a virtual pipeline on
+#                       GPUs 0,1 and 2,3 (interleaved 1F1B vs DPP), healthy and with a slow link
+# The model: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual pipeline), 8 microbatches.
+# Needs megatron-core importable and the transport built in place (python3 setup.py build_ext --inplace).
+#   bash bench/gpu_megadpp.sh [phase ...]        outputs under ${RESULTS:-bench_results}
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpt345m_setup.sh
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 OMP_NUM_THREADS=8  # CPU initialization
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the repository's packages where it is built in place
+REPS=${REPS:-10}
+DROPOUT=(--hidden-dropout 0 --attention-dropout 0 --use-cpu-initialization)
+JOB=("${MODEL[@]}" --num-layers 16 "${DROPOUT[@]}" --global-batch-size 32 --train-iters 10 --use-dpp)
+STRESS=("${JOB[@]}" --dpp-jitter-ms "${JITTER_MS:-2}" --deterministic-mode --attention-backend local)
+declare -A STRESS_LAYOUTS=([pp2]="--pipeline-model-parallel-size 2" [pp4]="--pipeline-model-parallel-size 4"
+                           [pp4_vp2]="--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2")
+declare -A STRESS_GPUS=([pp2]=0,1 [pp4]=0,1,2,3 [pp4_vp2]=0,1,2,3)
+
+run_stress() {  # name, gpus, extra flags...
+    local name=$1 gpus=$2; shift 2
+    CUDA_VISIBLE_DEVICES=$gpus timeout 420 torchrun --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)" \
+        --master-port "${PORT:-29500}" bench/dpp_stress.py --repetitions "$REPS" --iterations 10 "${STRESS[@]}" "$@" \
+        > "$RESULTS/stress_$name.log" 2>&1
+    echo "stress $name exit $?: $(grep -h DPP-STRESS "$RESULTS/stress_$name.log")"
+}
+
+pid_of_rank() {  # rank, a pattern of the job's command line: the process torchrun gave that RANK
+    local p
+    for p in $(pgrep -f -- "$2"); do
+        if tr '\0' '\n' < "/proc/$p/environ" 2>/dev/null | grep -qx "RANK=$1"; then echo "$p"; return; fi
+    done
+}
+
+phase_transport() {
+    for slot in 4M 16M; do
+        CUDA_VISIBLE_DEVICES=0,1 timeout 300 torchrun --nproc_per_node 2 bench/transport_bandwidth.py --device cuda \
+            --max-bytes 1G --slot-bytes $slot > "$RESULTS/transport_$slot.log" 2>&1
+        echo "transport slot $slot exit $?"; sed -n '/^| message/,$p' "$RESULTS/transport_$slot.log"
+    done
+}
+
+phase_stress() {
+    for name in ${STRESS_CASES:-pp4 pp4_vp2 pp2}; do
+        run_stress "$name" "${STRESS_GPUS[$name]}" ${STRESS_LAYOUTS[$name]}
+    done
+}
+
+phase_fallback() {
+    local copy=/tmp/megadpp_without_cuda_ipc
+    rm -rf "$copy" && mkdir -p "$copy" && cp -r pretrain_gpt.py megatron megadpp megascan megafbd megascope "$copy"/
+    rm -f "$copy"/megadpp/transport/_cuda_ipc*.so
+    (cd "$copy" && CUDA_VISIBLE_DEVICES=2,3 timeout 300 torchrun --nproc_per_node 2 --master-port 29520 pretrain_gpt.py \
+        "${JOB[@]}" --train-iters 6 --log-interval 1 ${STRESS_LAYOUTS[pp2]}) > "$RESULTS/fallback_unbuilt.log" 2>&1
+    echo "without the CUDA IPC module exit $?:"
+    grep -E "megadpp transport|MegaDPP|error" "$RESULTS/fallback_unbuilt.log" | cut -c1-300
+}
+
+phase_stall() {
+    local log=$RESULTS/stall.log
+    CUDA_VISIBLE_DEVICES=0,1 torchrun --nproc_per_node 2 pretrain_gpt.py "${JOB[@]}" --train-iters 100000 \
+        --log-interval 1 ${STRESS_LAYOUTS[pp2]} --dpp-timeout 10 > "$log" 2>&1 &
+    local job=$! waited=0
+    until grep -qE "iteration +3/" "$log" || ((waited++ > 240)); do sleep 0.5; done
+    local victim
+    victim=$(pid_of_rank 1 "pretrain_gpt.py.*--dpp-timeout")
+    # Stopped while it sleeps in DPP's wait for an input (not inside the optimizer's collectives, whose hang
+    # torch.distributed's timeout reports): tests/test_megadpp_stall.py does the same on CPU.
+    until grep -q nanosleep "/proc/$victim/wchan"; do :; done
+    local start=$SECONDS
+    kill -STOP "$victim"
+    timeout 180 tail --pid=$job -f /dev/null
+    echo "stall: rank 1 (pid $victim) stopped; the job ended after $((SECONDS - start)) s"
+    grep -E "error: MegaDPP" "$log" | head -3 | cut -c1-300
+    kill -9 "$victim" 2>/dev/null
+}
+
+phase_fallback_and_stall() {  # on GPUs 2,3 and 0,1
+    phase_fallback &
+    phase_stall
+    wait
+}
+
+phase_trace() {
+    python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 240 > "$RESULTS/trace_load.log" 2>&1 &
+    local load=$!
+    sleep 3
+    timeout 300 torchrun --nproc_per_node 4 pretrain_gpt.py "${JOB[@]}" --train-iters 20 --log-interval 5 \
+        ${STRESS_LAYOUTS[pp4]} --trace --trace-dir "$RESULTS/trace" --trace-interval 5 \
+        --continuous-trace-iterations 2 > "$RESULTS/trace_run.log" 2>&1
+    echo "traced run exit $?"; grep -E "MegaDPP|iteration +20/" "$RESULTS/trace_run.log" | cut -c1-200
+    kill "$load"; wait "$load"
+    python3 tools/aggregate.py -b "$RESULTS/trace" -d > "$RESULTS/trace_report.log" 2>&1
+    echo "aggregate exit $?"; head -40 "$RESULTS/trace_report.log" | cut -c1-250
+}
+
+phase_speed() {
+    local big=("${MODEL[@]}" ${SIZES[1.3b]} "${DROPOUT[@]}" --micro-batch-size 2 --global-batch-size 32
+               --train-iters 100 --use-dpp)
+    local pp4=(--pipeline-model-parallel-size 4) vp=(--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6)
+    local link=(--dpp-delay-link 1 --dpp-delay-ms 20 --dpp-delay-probability 0.3)
+    side() {  # name, gpus, nproc, port, flags...
+        local name=$1 gpus=$2 nproc=$3 port=$4; shift 4
+        CUDA_VISIBLE_DEVICES=$gpus timeout 420 torchrun --nproc_per_node "$nproc" --master-port "$port" \
+            bench/dpp_side_by_side.py --rounds 2 --iterations 5 "${big[@]}" "$@" > "$RESULTS/speed_$name.log" 2>&1
+        echo "== speed $name exit $?"; sed -n '/^| schedule/,$p' "$RESULTS/speed_$name.log"
+    }
+    side pp4_healthy 0,1,2,3 4 29500 "${pp4[@]}"
+    side pp4_link 0,1,2,3 4 29500 "${pp4[@]}" "${link[@]}"
+    side pp4_uneven 0,1,2,3 4 29500 "${pp4[@]}" --num-layers 27 --decoder-first-pipeline-num-layers 9
+    python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 400 > "$RESULTS/speed_load.log" 2>&1 &
+    local load=$!
+    sleep 3
+    side pp4_gpu2_loaded 0,1,2,3 4 29500 "${pp4[@]}"
+    kill "$load"; wait "$load"
+    side vp_healthy 0,1 2 29501 "${vp[@]}" &
+    side vp_link 2,3 2 29502 "${vp[@]}" --dpp-delay-link 0 --dpp-delay-ms 20 --dpp-delay-probability 0.3 &
+    wait
+}
+
+for phase in ${@:-transport stress fallback_and_stall trace}; do
+    echo "=== $phase ($(date +%T))"
+    "phase_$phase"
+done
