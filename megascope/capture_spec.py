@@ -80,10 +80,23 @@ class CaptureSpec:
         logit_lens = obj.get("logit_lens", False)
         if not isinstance(logit_lens, bool):
             raise _bad("logit_lens must be true or false", "logit_lens")
+        pca = _pca(obj.get("pca"), hooks)
+        if pca is not None and str(per_hook.get(pca.hook, reduction)) != "none":
+            raise _bad(f"pca.hook {pca.hook!r} is captured with reduction {per_hook.get(pca.hook, reduction)}, "
+                       "but PCA needs its full vectors: capture it with reduction none", "pca.hook")
         return cls(hooks=tuple(dict.fromkeys(hooks)), layers=_range(obj.get("layers"), "layers"),
                    tokens=_range(obj.get("tokens"), "tokens"), reduction=reduction, reductions=per_hook,
                    topk=_int(obj.get("topk", 5), "topk", 1, MAX_TOPK), logit_lens=logit_lens,
-                   pca=_pca(obj.get("pca"), hooks), sample=_int(obj.get("sample", 0), "sample"))
+                   pca=pca, sample=_int(obj.get("sample", 0), "sample"))
+
+    def check_layers(self, num_layers):
+        """The layer numbers against a model of ``num_layers`` layers (from_json cannot know the model)."""
+        if self.layers is not None and self.layers[1] > num_layers:
+            raise _bad(f"layers [{self.layers[0]}, {self.layers[1]}) reaches past this model's {num_layers} "
+                       f"layers: use [start, end) with 0 <= start < end <= {num_layers}", "layers")
+        if self.pca is not None and self.pca.layer is not None and self.pca.layer >= num_layers:
+            raise _bad(f"pca.layer must be from 0 to {num_layers - 1} (this model has {num_layers} layers), "
+                       f"not {self.pca.layer}", "pca.layer")
 
     def to_json(self):
         """The normalised spec (every default filled in), as a client would send it."""
@@ -104,12 +117,15 @@ class CaptureSpec:
         return self.tokens is None or self.tokens[0] <= position < self.tokens[1]
 
 
-def parse_capture(obj, prefix="capture"):
-    """The CaptureSpec of a message's capture field (None for null); errors name ``<prefix>.<field>``."""
+def parse_capture(obj, num_layers, prefix="capture"):
+    """The CaptureSpec of a message's capture field (None for null), checked against a model of
+    ``num_layers`` layers; errors name ``<prefix>.<field>``."""
     if obj is None:
         return None
     try:
-        return CaptureSpec.from_json(obj)
+        spec = CaptureSpec.from_json(obj)
+        spec.check_layers(num_layers)
+        return spec
     except ProtocolError as error:
         raise within(error, prefix) from None
 

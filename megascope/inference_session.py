@@ -22,7 +22,7 @@ from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.welcome import welcome_info
 from megascope.wire import Limits, echo_id, encode_data_frame, error_message
-from megatron.inference.engine import NoObserver
+from megatron.inference.engine import NoObserver, NonFiniteLogits
 from megatron.inference.greedy import logits as forward_logits
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
@@ -43,7 +43,7 @@ class ScopeObserver(NoObserver):
         self.args = args
         self.client = client
         self.session = session
-        self.spec = parse_capture(scope["capture"])
+        self.spec = parse_capture(scope["capture"], args.num_layers)
         self.capture = None
         self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
@@ -63,7 +63,7 @@ class ScopeObserver(NoObserver):
         if not control:
             return False
         if "capture" in control:
-            self.spec = parse_capture(control["capture"])
+            self.spec = parse_capture(control["capture"], self.args.num_layers)
         if "perturbations" in control:
             apply_perturbations(self.model, self.args, control["perturbations"])
         return bool(control.get("cancel"))
@@ -188,7 +188,7 @@ def apply_perturbations(model, args, objs):
     active = _active_perturbations.get(id(model))
     if active is None:
         active = _active_perturbations[id(model)] = PerturbationSet(model, args)
-    active.replace(parse_perturbations(objs))
+    active.replace(parse_perturbations(objs, args.num_layers))
 
 
 class InferenceSession:
@@ -207,6 +207,9 @@ class InferenceSession:
         self._control = {}            # client -> pending control for its running generation
         self._captures = {}           # client -> its set_capture spec (JSON)
         self._numbers = 0
+
+    def on_welcome(self, client):
+        pass  # generations start from the client's requests: nothing to tell at once
 
     def welcome_info(self):
         return welcome_info(self.args, self.encoder.tokenizer.vocab_size)
@@ -238,7 +241,7 @@ class InferenceSession:
         request = message
         prompts = self.encoder.encode(request)
         capture = self._captures.get(client) if request["capture"] == "connection" else request["capture"]
-        spec = parse_capture(capture)
+        spec = parse_capture(capture, self.args.num_layers)
         seed = pick_seed(request["random_seed"])
         with self._lock:
             self._numbers += 1
@@ -270,8 +273,12 @@ class InferenceSession:
             self._running.pop(client, None)
             self._control.pop(client, None)  # came after the last step: _perturb queued its control job too
         if job.error is not None:
-            log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
-            client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
+            if isinstance(job.error, NonFiniteLogits):  # the request broke the model, not the server
+                log.warning("generation %s ended: %s", job.observer.id, job.error)
+                client.send(error_message("non_finite", str(job.error), id=job.observer.id))
+            else:
+                log.error("generation %s failed: %s", job.observer.id, job.error, exc_info=job.error)
+                client.send(error_message("internal", "the generation failed; see the server log", id=job.observer.id))
             prompts = len(job.payload["prompts"])
             client.send({"type": "generation_done", "id": job.observer.id, "texts": [""] * prompts,
                          "tokens": [[] for _ in range(prompts)], "finish_reason": ["error"] * prompts,
@@ -287,7 +294,7 @@ class InferenceSession:
             self._cancel_job(client)
 
     def _set_capture(self, client, message):
-        spec = parse_capture(message["capture"])
+        spec = parse_capture(message["capture"], self.args.num_layers)
         normalised = None if spec is None else spec.to_json()
         with self._lock:
             self._captures[client] = normalised
@@ -297,7 +304,7 @@ class InferenceSession:
 
     def _perturb(self, client, message):
         # Checked here, so a bad one is refused before any rank sees it; every rank gets the normalised form.
-        active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
+        active = [p.to_json() for p in parse_perturbations(message["perturbations"], self.args.num_layers)]
         with self._lock:
             for other in self._running:  # from its next step, on the replica that runs it
                 self._control.setdefault(other, {})["perturbations"] = active

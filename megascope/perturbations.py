@@ -71,7 +71,7 @@ class Perturbation:
             raise _bad(f"noise must be one of {', '.join(NOISE_TYPES)}", "noise")
         scale = obj.get("scale")
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (abs(scale) < 1e6):
-            raise _bad("scale must be a finite number", "scale")
+            raise _bad("scale must be a number of magnitude below 1e6", "scale")
         if noise in ("gaussian", "uniform") and scale < 0 or noise == "bitflip" and not 0 <= scale <= 1:
             raise _bad("scale must be >= 0 (gaussian, uniform) or a rate from 0 to 1 (bitflip)", "scale")
         seed = obj.get("seed", 0)
@@ -96,12 +96,18 @@ class Perturbation:
         return self.layers is None or layer in self.layers
 
 
-def parse_perturbations(objs, prefix="perturbations"):
-    """The Perturbations of a message's list; errors name ``<prefix>.<index>.<field>``."""
+def parse_perturbations(objs, num_layers, prefix="perturbations"):
+    """The Perturbations of a message's list, for a model of ``num_layers`` layers; errors name
+    ``<prefix>.<index>.<field>``."""
     checked = []
     for index, obj in enumerate(objs):
         try:
-            checked.append(Perturbation.from_json(obj))
+            perturbation = Perturbation.from_json(obj)
+            beyond = [layer for layer in perturbation.layers or () if layer >= num_layers]
+            if beyond:
+                raise _bad(f"layers {beyond} are not layers of this model: use indices from 0 to "
+                           f"{num_layers - 1}", "layers")
+            checked.append(perturbation)
         except ProtocolError as error:
             raise within(error, f"{prefix}.{index}") from None
     return checked

@@ -40,6 +40,7 @@ class TrainingSession:
         self.statistics = LayerStatistics(model, args.num_layers, args.use_distributed_optimizer)
         self.streaming = False
         self.control = TrainingControl(start_paused=args.training_ws_wait) if self.is_server else None
+        self.announced = PAUSED if args.training_ws_wait else RUNNING  # the state clients were last told
         self.server = None
         if self.is_server:
             # The tokenizer's vocabulary (the output layer's padding rows are no tokens), for the welcome.
@@ -55,24 +56,27 @@ class TrainingSession:
 
     def on_message(self, client, message):
         kind = message["type"]
-        if kind == "train":
-            echo = echo_id(message)
-            self.control.request(message["action"], message["n"], reply=lambda state, iteration: client.send(
-                {"type": "training_state", "state": state, "iteration": iteration, **echo}))
+        if kind == "train":  # answered at the control point where it takes effect (training_control.py)
+            self.control.request(message["action"], message["n"], reply=(client, echo_id(message)))
         elif kind == "set_capture":
             spec = self._checked_spec(message["capture"])
             normalised = None if spec is None else spec.to_json()
             self.control.set_pending("capture", normalised)
             client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
         elif kind == "perturb":
-            active = [p.to_json() for p in parse_perturbations(message["perturbations"])]
+            active = [p.to_json() for p in parse_perturbations(message["perturbations"], self.args.num_layers)]
             self.control.set_pending("perturbations", active)
+
+    def on_welcome(self, client):
+        """A client that connects learns the run's state at once (a run started with --training-ws-wait waits
+        for it to resume or step)."""
+        client.send(self._state_message(self.announced))
 
     def on_disconnect(self, client):
         pass  # the run goes on; what the client set stays until another client changes it
 
     def _checked_spec(self, obj):
-        spec = parse_capture(obj)
+        spec = parse_capture(obj, self.args.num_layers)
         if spec is None:
             return None
         samples = self.args.global_batch_size // self.args.data_parallel_size
@@ -98,8 +102,7 @@ class TrainingSession:
                 torch.distributed.broadcast_object_list(decision, src=0, group=self.group)
             decision = decision[0]
             self._apply(decision)
-            for reply in replies:  # the last iteration completed: the one the state applies after
-                reply(STATES[decision["action"]], iteration)
+            self._tell_state(STATES[decision["action"]], replies)
             if decision["action"] != "pause":
                 return decision["action"]
             finished_iteration = False
@@ -116,9 +119,23 @@ class TrainingSession:
         if decision["stream"] != self.streaming:
             self.streaming = decision["stream"]
             self.statistics.install() if self.streaming else self.statistics.remove()
-        if decision["paused_by_step"] or decision["action"] == "stop":
-            self._broadcast({"type": "training_state", "state": STATES[decision["action"]],
-                             "iteration": self.iteration})
+
+    def _state_message(self, state, echo=None):
+        """The run's state after the last iteration completed (the one a state applies after)."""
+        return {"type": "training_state", "state": state, "iteration": self.iteration, **(echo or {})}
+
+    def _tell_state(self, state, replies):
+        """Answer the train requests this control point acted on (each with its id), and tell every other
+        client when the state changed."""
+        answered = set()
+        for client, echo in replies:
+            client.send(self._state_message(state, echo))
+            answered.add(client)
+        if state != self.announced and self.server is not None:
+            for client in list(self.server.clients):
+                if client.welcomed and client not in answered:
+                    client.send(self._state_message(state))
+        self.announced = state
 
     def _broadcast(self, message):
         if self.server is not None:
@@ -180,8 +197,7 @@ class TrainingSession:
 
     def close(self):
         if self.control is not None:
-            for reply in self.control.take_unanswered():  # came after the last control point
-                reply(STOPPING, self.iteration)
+            self._tell_state(STOPPING, self.control.take_unanswered())  # came after the last control point
         self.perturbations.clear()
         self.statistics.remove()
         if self.server is not None:

@@ -1,16 +1,18 @@
 """What a welcome message tells a client about the model and the library (both sessions send it)."""
 
 from megascope.hooks import full_hook_names
-from megascope.perturbations import NOISE_TYPES
+from megascope.perturbations import NOISE_TYPES, TARGETS
 from megascope.reductions import REDUCTION_FORMS
 
 
 def welcome_info(args, vocab_size):
-    """The welcome's model shape and parallel layout, and the hooks, reductions and noise kinds served.
+    """The welcome's model shape and parallel layout, and the hooks, reductions, noise kinds and perturbation
+    targets (per kind) served: a client offers what is declared here, so that it offers nothing refused.
     ``vocab_size``: the tokenizer's (the output layer's padding rows are no tokens)."""
     return {"model": {"num_layers": args.num_layers, "hidden_size": args.hidden_size,
                       "num_attention_heads": args.num_attention_heads,
                       "num_query_groups": args.num_query_groups or args.num_attention_heads,
                       "vocab_size": vocab_size, "tp": args.tensor_model_parallel_size,
                       "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
-            "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES)}
+            "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES),
+            "perturbation_targets": {kind: list(targets) for kind, targets in TARGETS.items()}}

@@ -17,7 +17,7 @@ from megascope.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 ERROR_CODES = ("bad_json", "unknown_type", "bad_field", "bad_reduction", "bad_hook", "unauthorized",
-               "too_large", "rate_limited", "busy", "internal")
+               "too_large", "rate_limited", "busy", "non_finite", "internal")
 DATA_MAGIC = b"MSD1"
 MAX_SEED = 2**31 - 1
 _REQUIRED = object()
@@ -101,6 +101,13 @@ REST_UNSUPPORTED = ("top_p_decay", "top_p_bound", "beam_width", "length_penalty"
                     "stop_on_double_eol", "prevent_newline_after_colon", "no_log")
 
 
+def _bounds(field):
+    """A field's allowed range in words: "between 0 and 1", "at least 0", "at most 9"."""
+    if field.low is not None and field.high is not None:
+        return f"between {field.low} and {field.high}"
+    return f"at least {field.low}" if field.low is not None else f"at most {field.high}"
+
+
 def check_fields(obj, fields, prefix=""):
     """``obj`` with every field of ``fields`` checked and defaults filled in; ProtocolError otherwise."""
     out = {}
@@ -127,8 +134,7 @@ def check_fields(obj, fields, prefix=""):
         numbers = value if field.kind == "int_list" else [value] if field.kind in ("int", "float") else []
         for number in numbers:
             if (field.low is not None and number < field.low) or (field.high is not None and number > field.high):
-                raise ProtocolError("bad_field", f"{where} must be between {field.low} and {field.high}, "
-                                    f"not {number}", where)
+                raise ProtocolError("bad_field", f"{where} must be {_bounds(field)}, not {number}", where)
         if field.choices and value not in field.choices:
             raise ProtocolError("bad_field", f"{where} must be one of {', '.join(field.choices)}", where)
         out[name] = value
@@ -139,14 +145,22 @@ def check_fields(obj, fields, prefix=""):
     return out
 
 
+def load_json(data):
+    """A client's JSON text -> the value, or ProtocolError("bad_json") saying what is wrong with it."""
+    try:
+        return json.loads(data)
+    except RecursionError:  # the parser recurses once per bracket: thousands of them exhaust the stack
+        raise ProtocolError("bad_json", "the message nests arrays or objects too deeply") from None
+    except ValueError as error:
+        where = f" ({error.msg} at character {error.pos})" if isinstance(error, json.JSONDecodeError) else ""
+        raise ProtocolError("bad_json", f"the message is not valid JSON{where}") from None
+
+
 def parse_message(data, allowed_types=INFERENCE_TYPES):
     """One client frame (str or bytes) -> a checked message dict with "type" and defaults filled."""
     if isinstance(data, bytes):
         raise ProtocolError("bad_json", "binary frames are for server data only; send JSON text frames")
-    try:
-        obj = json.loads(data)
-    except ValueError as error:
-        raise ProtocolError("bad_json", f"the message is not valid JSON ({error.msg} at character {error.pos})")
+    obj = load_json(data)
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", "a message must be a JSON object with a \"type\"")
     kind = obj.get("type")
@@ -158,6 +172,8 @@ def parse_message(data, allowed_types=INFERENCE_TYPES):
     message["type"] = kind
     if kind == "generate":
         check_sampling(message)
+    if kind == "train" and "n" in obj and message["action"] != "step":
+        raise ProtocolError("bad_field", f"n counts the iterations of a step; {message['action']} takes none", "n")
     return message
 
 
@@ -237,8 +253,8 @@ def sent_id(data):
     if isinstance(data, bytes):
         return None
     try:
-        obj = json.loads(data)
-    except ValueError:
+        obj = load_json(data)
+    except ProtocolError:
         return None
     value = obj.get("id") if isinstance(obj, dict) else None
     return value if _KIND_CHECKS["id"][0](value) else None

@@ -9,6 +9,7 @@ Origin, size and rate limits, ping, error frames) and hands every other checked 
     class Session:                      # duck-typed; inference_session.py and training_session.py
         mode = "inference"              # or "training": selects which message types are served
         def welcome_info(self): ...     # {"model": {...}, "hooks": [...], "reductions": [...], "noise": [...]}
+        def on_welcome(self, client): ...    # after the welcome: what a new client must learn at once
         def on_message(self, client, message): ...  # on the server thread: must not block; may raise ProtocolError
         def on_disconnect(self, client): ...
 
@@ -255,4 +256,5 @@ class WebSocketServer:
         client.welcomed = True
         client.send({"type": "welcome", "protocol": PROTOCOL_VERSION, "mode": self.session.mode,
                      **self.session.welcome_info(), "limits": self.limits.as_json(), **echo_id(message)})
+        self.session.on_welcome(client)
         return True

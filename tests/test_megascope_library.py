@@ -54,25 +54,47 @@ def test_bad_capture_specs_name_the_field(spec, code, field):
 
 
 def test_a_full_capture_spec_parses():
-    spec = CaptureSpec.from_json({"hooks": ["attn.pattern", "resid_post"], "layers": [1, 3], "tokens": [0, 8],
-                                  "reduction": "norm", "reductions": {"attn.pattern": "mean_heads"}, "topk": 3,
+    spec = CaptureSpec.from_json({"hooks": ["attn.pattern", "resid_post", "mlp.out"], "layers": [1, 3],
+                                  "tokens": [0, 8], "reduction": "norm",
+                                  "reductions": {"attn.pattern": "mean_heads", "resid_post": "none"}, "topk": 3,
                                   "logit_lens": True, "pca": {"hook": "resid_post", "layer": 2}, "sample": 1})
-    assert str(spec.reduction_for("attn.pattern")) == "mean_heads" and str(spec.reduction_for("resid_post")) == "norm"
+    assert str(spec.reduction_for("attn.pattern")) == "mean_heads" and str(spec.reduction_for("mlp.out")) == "norm"
     assert CaptureSpec.from_json(spec.to_json()) == spec
     assert spec.wants_layer(2) and not spec.wants_layer(3) and spec.wants_token(7) and not spec.wants_token(8)
 
 
 def test_a_messages_capture_and_perturbations_name_their_fields_inside_the_message():
-    assert parse_capture(None) is None
+    assert parse_capture(None, 2) is None
     with pytest.raises(ProtocolError) as error:
-        parse_capture({"hooks": ["embed"], "pca": {"hook": "resid_post", "layer": 1}})
+        parse_capture({"hooks": ["embed"], "pca": {"hook": "resid_post", "layer": 1}}, 2)
     assert error.value.field == "capture.pca.hook"
     good = {"kind": "system", "target": "resid", "noise": "constant", "scale": 1}
     with pytest.raises(ProtocolError) as error:
-        parse_perturbations([good, {**good, "target": "ln2"}])
+        parse_perturbations([good, {**good, "target": "ln2"}], 2)
     assert error.value.field == "perturbations.1.target"  # ln2 is a storage target only
-    assert [p.to_json() for p in parse_perturbations([good])] == [
+    assert [p.to_json() for p in parse_perturbations([good], 2)] == [
         {"id": None, **good, "scale": 1.0, "seed": 0, "layers": None, "enabled": True}]  # normalised
+
+
+@pytest.mark.parametrize("capture, field, words", [
+    ({"hooks": ["resid_post"], "layers": [0, 99]}, "capture.layers", "past this model's 2 layers"),
+    ({"hooks": ["resid_post"], "layers": [50, 99]}, "capture.layers", "0 <= start < end <= 2"),
+    ({"hooks": ["resid_post"], "pca": {"hook": "resid_post", "layer": 99}}, "capture.pca.layer", "from 0 to 1"),
+    ({"hooks": ["resid_post"], "reduction": "norm", "pca": {"hook": "resid_post", "layer": 0}}, "capture.pca.hook",
+     "capture it with reduction none"),
+])
+def test_out_of_range_captures_are_refused_naming_the_valid_range(capture, field, words):
+    with pytest.raises(ProtocolError) as error:
+        parse_capture(capture, 2)
+    assert (error.value.code, error.value.field) == ("bad_field", field) and words in error.value.message
+
+
+def test_a_perturbation_of_a_layer_the_model_lacks_is_refused():
+    with pytest.raises(ProtocolError) as error:
+        parse_perturbations([{"kind": "system", "target": "resid", "noise": "constant", "scale": 1,
+                              "layers": [1, 99]}], 2)
+    assert error.value.field == "perturbations.0.layers" and "[99]" in error.value.message
+    assert "from 0 to 1" in error.value.message
 
 
 def test_pca_equals_numpys_svd():

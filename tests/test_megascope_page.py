@@ -79,14 +79,16 @@ def test_inference_in_a_real_browser(built, chromium):
     finally:
         server.stop()
     assert "tokens match REST" in output and "e2e inference: passed" in output, output
+    assert "every offered perturbation target was taken: 14" in output, output  # 7 storage, 6 calculation, 1 system
 
 
 def start_training(save_dir):
-    """A tiny GPT training on mock data with --training-ws-port; returns (job, ws URL, output lines)."""
+    """A tiny GPT training on mock data with --training-ws-port, waiting for a client to start it
+    (--training-ws-wait); returns (job, ws URL, output lines)."""
     port = free_port()
     args = [*TINY_GPT, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
             "--train-iters", "100000", "--lr-decay-iters", "100000", "--save", str(save_dir), "--save-interval", "100000",
-            "--training-ws-port", str(port)]
+            "--training-ws-port", str(port), "--training-ws-wait"]
     job = subprocess.Popen(torchrun_command(1, "pretrain_gpt.py", args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True)
     lines, listening = [], threading.Event()

@@ -105,6 +105,8 @@ def test_pause_step_resume_stop_capture_and_perturb_between_iterations(tmp_path)
     job = TrainingJob(1, ["--train-iters", "200", "--training-ws-wait", "--save", str(tmp_path / "ckpt")])
     try:
         job.connect()
+        # told at once that the run waits (the page enables its controls on it)
+        assert job.receive() == {"type": "training_state", "state": "paused", "iteration": 0}
         job.send({"type": "train", "action": "step", "n": 2})
         assert _iterations(job.until(_paused)) == [1, 2]
         job.send({"type": "set_capture", "capture": {"hooks": ["resid_post"], "reduction": "bins(4)", "sample": 3}})

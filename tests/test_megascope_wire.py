@@ -27,6 +27,8 @@ def test_generate_defaults_filled():
 @pytest.mark.parametrize("text, expected", [
     ("{not json", ("bad_json", None)),
     ("[1, 2]", ("bad_json", None)),
+    ("[" * 100_000 + "]" * 100_000, ("bad_json", None)),
+    ('{"a": ' * 100_000 + "1" + "}" * 100_000, ("bad_json", None)),
     ('{"type": "fly"}', ("unknown_type", "type")),
     ('{"prompts": ["x"]}', ("unknown_type", "type")),
     ('{"type": "generate"}', ("bad_field", "prompts")),
@@ -46,10 +48,18 @@ def test_bad_messages_are_named(text, expected):
     assert refused(text) == expected
 
 
+def test_a_one_sided_range_is_said_as_one():
+    with pytest.raises(ProtocolError, match=r"^top_k must be at least 0, not -1$"):
+        parse_message('{"type": "generate", "prompts": ["x"], "top_k": -1}')
+    with pytest.raises(ProtocolError, match=r"^temperature must be between 1e-06 and 100.0, not 0.0$"):
+        parse_message('{"type": "generate", "prompts": ["x"], "temperature": 0}')
+
+
 def test_modes_take_their_own_types():
     assert refused('{"type": "train", "action": "pause"}') == ("unknown_type", "type")
     assert parse_message('{"type": "train", "action": "step", "n": 3}', TRAINING_TYPES)["n"] == 3
     assert refused('{"type": "train", "action": "jump"}', allowed_types=TRAINING_TYPES) == ("bad_field", "action")
+    assert refused('{"type": "train", "action": "pause", "n": 2}', allowed_types=TRAINING_TYPES) == ("bad_field", "n")
 
 
 def test_limits():

@@ -29,6 +29,9 @@ class FloodSession:
     def welcome_info(self):
         return {"model": {"num_layers": 1}, "hooks": [], "reductions": [], "noise": []}
 
+    def on_welcome(self, client):
+        pass
+
     def on_message(self, client, message):
         if message["type"] != "generate":
             raise ProtocolError("bad_field", "this test session only generates", "type")
@@ -76,7 +79,8 @@ def test_errors_keep_the_connection_usable():
                       "top_p", "g"),
                      ('{"type": "train", "id": 4, "action": "pause"}', "unknown_type", "type", 4),
                      ('{"type": "set_capture", "id": "s", "capture": {}}', "bad_field", "type", "s"),
-                     ('{"type": "ping", "id": [1]}', "bad_field", "id", None)]
+                     ('{"type": "ping", "id": [1]}', "bad_field", "id", None),
+                     ("[" * 50_000 + "]" * 50_000, "bad_json", None, None)]  # nested past Python's recursion limit
             for text, code, field, id in cases:
                 await ws.send(text)
                 error = json.loads(await ws.recv())

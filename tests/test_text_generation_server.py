@@ -34,7 +34,9 @@ def server():
 
 async def welcomed(ws):
     await send(ws, {"type": "hello", "protocol": 1, "token": TOKEN})
-    assert (await receive(ws))["type"] == "welcome"
+    welcome = await receive(ws)
+    # the tiny model's 64 positions leave at most 63 new tokens, whatever --max-tokens-to-generate says
+    assert welcome["type"] == "welcome" and welcome["limits"]["max_tokens_to_generate"] == 63, welcome
 
 
 def websocket_tokens(server, request):
@@ -81,6 +83,7 @@ def test_rest_refuses_each_bad_field_by_name(server, body, field):
     status, answer = server.put(body)
     assert status == 400 and answer["field"] == field, answer
     assert server.put(b"{not json")[0] == 400
+    assert server.put(b"[" * 100_000 + b"]" * 100_000) == (400, {"error": "the body nests arrays or objects too deeply"})
 
 
 def test_websocket_errors_and_the_server_goes_on(server):
@@ -410,3 +413,42 @@ def test_the_page_build_is_served_at_the_root_when_there_is_one(server):
     with pytest.raises(urllib.error.HTTPError) as outside:
         urllib.request.urlopen(server.rest + "/../../etc/passwd", timeout=60)
     assert outside.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as api:  # the API is PUT only, page build or not
+        urllib.request.urlopen(server.rest + "/api", timeout=60)
+    assert api.value.code == 405 and b"use PUT /api" in api.value.read()
+
+
+# Every upper bit of mlp.fc1's float32 storage flipped: its zero biases become NaN, and so do the logits (bit
+# flips in exponent bits do that to a trained model; a 4-rank server then died inside torch.multinomial).
+BREAKING = {"id": "b", "kind": "storage", "target": "mlp.fc1", "noise": "bitflip", "scale": 1.0}
+
+
+@pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []],
+                         ids=["tp2_pp2", "dp2"])
+def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_server_goes_on(flags):
+    nproc = 4 if flags else 2
+    server = GenerationServer(nproc, TINY_SERVER + flags)
+    try:
+        set_perturbations(server, [BREAKING])
+
+        async def client():
+            async with websocket(server) as ws:
+                await send(ws, {"type": "hello", "protocol": 1})
+                assert (await receive(ws))["type"] == "welcome"
+                messages, _ = await generation(ws, {"type": "generate", "id": "s", **SAMPLED})
+                done = await receive(ws)
+                while isinstance(done, bytes) or done["type"] != "generation_done":
+                    done = await receive(ws)
+                return messages[-1], done
+        error, done = run(client())
+        assert (error["type"], error["code"], error["id"]) == ("error", "non_finite", "s"), error
+        assert "not finite (NaN or infinite)" in error["message"] and "perturbations" in error["message"]
+        assert done["finish_reason"] == ["error", "error"]
+        status, answer = server.put(SAMPLED)  # REST: every data-parallel replica's share broke
+        assert status == 422 and "not finite" in answer["error"], answer
+        set_perturbations(server, [])
+        status, answer = server.put(SAMPLED)
+        assert status == 200 and len(answer["tokens"]) == 2, answer
+        assert server.job.poll() is None
+    finally:
+        server.stop()

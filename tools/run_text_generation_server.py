@@ -127,7 +127,8 @@ def main():
         limits = Limits(max_message_bytes=args.ws_max_message_bytes,
                         max_messages_per_second=args.ws_max_messages_per_second,
                         send_queue_frames=args.ws_send_queue_frames,
-                        max_tokens_to_generate=args.max_tokens_to_generate)
+                        # a prompt holds a token at least: the model's length bounds what a welcome may promise
+                        max_tokens_to_generate=min(args.max_tokens_to_generate, max_length - 1))
         encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)
         try:
             rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD)

@@ -11,7 +11,10 @@ step reads one position of every row; a row still inside its prompt takes its pr
 sampled one.
 
 Every rank of a data-parallel replica calls ``generate`` with the same arguments. The last pipeline stage
-draws the tokens and broadcasts them (with their probabilities) to the stages before it. Between steps the
+draws the tokens and broadcasts them (with their probabilities) to the stages before it. Logits that are not
+finite (a perturbation that broke the model) draw nothing: the draw's broadcast carries that to every stage,
+and every rank of the replica raises ``NonFiniteLogits`` at the same step, so the server can end the
+generation and go on. Between steps the
 replica's first rank (global rank 0 for the first replica) may hand a small control message (cancel, a new
 capture, perturbations) to every rank of the replica, so they all agree.
 """
@@ -27,6 +30,23 @@ from megatron.core.utils import unwrap_model
 from megatron.inference.greedy import logits as forward_logits
 from megatron.inference.sampling import Draw, draw, prompt_generators
 from megatron.inference.static_cache import StaticCacheModel, supports
+
+
+class NonFiniteLogits(Exception):
+    """The model's logits for some prompts went NaN or infinite; raised at the same step on every rank of a
+    replica. ``prompts``: their indices in the request; ``position``: the token position being chosen."""
+
+    def __init__(self, prompts, position):
+        self.prompts, self.position = list(prompts), position
+        super().__init__(f"the model's logits for prompt(s) {', '.join(map(str, self.prompts))} at token position "
+                         f"{position} are not finite (NaN or infinite), so no token can be drawn; the active "
+                         f"perturbations (or the weights) break the model: clear or weaken them")
+
+    def __reduce__(self):  # data-parallel replicas send it to global rank 0 (megatron/inference/replicas.py)
+        return NonFiniteLogits, (self.prompts, self.position)
+
+
+_NON_FINITE = -2  # the token the last stage broadcasts for a row whose logits are not finite
 
 
 @dataclass
@@ -141,6 +161,9 @@ class GenerationEngine:
                 forced = torch.tensor([int(tokens[row, position]) if position < lengths[row] else -1
                                        for row in range(batch)])
                 chosen = self._draw(step_logits, params, generators, forced)
+                broken = (chosen.tokens == _NON_FINITE).nonzero().flatten().tolist()
+                if broken:
+                    raise NonFiniteLogits([params.first_prompt + row for row in broken], position)
                 sampled = [row for row in range(batch) if finish[row] is None and position >= lengths[row]]
                 for row in sampled:
                     token = int(chosen.tokens[row])
@@ -214,11 +237,18 @@ class GenerationEngine:
         return self._from_last_stage(values, (inputs.shape[0], inputs.shape[1] - 1), torch.float32).cpu()
 
     def _draw(self, step_logits, params, generators, forced):
-        """The last stage draws; every stage receives the draw, packed in one float64 tensor."""
+        """The last stage draws; every stage receives the draw, packed in one float64 tensor. Rows whose
+        logits are not finite get the token ``_NON_FINITE`` and nothing is drawn (no row is, then)."""
         batch, k = forced.shape[0], min(params.topk_report, self.vocab_size)
         packed = None
         if step_logits is not None:
-            chosen = draw(step_logits[:, -1], params, generators, forced)
+            finite = torch.isfinite(step_logits[:, -1]).all(dim=-1).cpu()
+            if finite.all():
+                chosen = draw(step_logits[:, -1], params, generators, forced)
+            else:
+                zeros = torch.zeros(batch)
+                chosen = Draw(tokens=torch.where(finite, 0, _NON_FINITE), probs=zeros, logprobs=zeros,
+                              topk_ids=torch.zeros(batch, k, dtype=torch.long), topk_probs=torch.zeros(batch, k))
             if parallel_state.get_pipeline_model_parallel_world_size() == 1:
                 return chosen
             packed = torch.cat([chosen.tokens[:, None].double(), chosen.probs[:, None].double(),

@@ -8,7 +8,7 @@ import torch
 from megatron.core import parallel_state
 
 from megascope.distributed import gather_objects
-from megatron.inference.engine import Generation
+from megatron.inference.engine import Generation, NonFiniteLogits
 
 
 def replica_share(count):
@@ -23,17 +23,24 @@ def replica_share(count):
 
 def generate_share(engine, prompts, params, observer):
     """Collective over every rank: this replica generates its share, and global rank 0 gets the whole
-    Generation in the prompts' order (None elsewhere)."""
+    Generation in the prompts' order (None elsewhere). A replica whose model broke (NonFiniteLogits) still
+    takes part in the gather; global rank 0 then raises it."""
     start, end = replica_share(len(prompts))
     replicas = parallel_state.get_data_parallel_world_size()
     if replicas > 1 and parallel_state.get_model_parallel_group().rank() == 0:  # progress, once per replica
         print(f"replica {parallel_state.get_data_parallel_rank()} of {replicas}: prompts [{start}, {end}) "
               f"of {len(prompts)}", flush=True)
-    share = engine.generate(prompts[start:end], replace(params, first_prompt=start), observer) \
-        if end > start else None
+    try:
+        share = engine.generate(prompts[start:end], replace(params, first_prompt=start), observer) \
+            if end > start else None
+    except NonFiniteLogits as broken:
+        share = broken
     parts = gather_objects(share, parallel_state.get_data_parallel_group(), 0)
     if torch.distributed.get_rank() != 0:
         return None
+    for part in parts:
+        if isinstance(part, NonFiniteLogits):
+            raise part
     parts = [part for part in parts if part is not None]
     return Generation(tokens=[tokens for part in parts for tokens in part.tokens],
                       prompt_lengths=[length for part in parts for length in part.prompt_lengths],

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from megascope.errors import ProtocolError
 from megascope.wire import parse_rest_request
+from megatron.inference.engine import NonFiniteLogits
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
 
@@ -59,6 +60,8 @@ class RestHandler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(length) or b"null")
         except ValueError:
             return self._refuse(HTTPStatus.BAD_REQUEST, "the body is not valid JSON")
+        except RecursionError:  # the parser recurses once per bracket
+            return self._refuse(HTTPStatus.BAD_REQUEST, "the body nests arrays or objects too deeply")
         try:
             request = parse_rest_request(body)
             prompts = self.server.encoder.encode(request)
@@ -68,12 +71,16 @@ class RestHandler(BaseHTTPRequestHandler):
         except ProtocolError as error:
             status = HTTPStatus.SERVICE_UNAVAILABLE if error.code == "busy" else HTTPStatus.BAD_REQUEST
             return self._refuse(status, error.message, error.field)
+        except NonFiniteLogits as error:  # the model, as perturbed, cannot answer this request
+            return self._refuse(HTTPStatus.UNPROCESSABLE_ENTITY, str(error))
         except Exception:  # noqa: BLE001  a server failure: logged, answered, the server goes on
             log.exception("generation failed")
             return self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "generation failed; see the server log")
         self._reply(HTTPStatus.OK, rest_answer(generation, self.server.encoder, seed, request["logprobs"]))
 
     def do_GET(self):
+        if self.path.split("?", 1)[0].rstrip("/") == "/api":
+            return self._method_not_allowed()  # the API takes PUT only
         root = self.server.static_root
         if root is None:
             return self._refuse(HTTPStatus.NOT_FOUND, "no page build here (tools/visualization/transformer-"

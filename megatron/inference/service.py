@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from megatron.core import parallel_state
 
 from megascope.errors import ProtocolError
-from megatron.inference.engine import NoObserver, agree
+from megatron.inference.engine import NoObserver, NonFiniteLogits, agree
 from megatron.inference.replicas import generate_share
 from megatron.inference.sampling import SamplingParams
 
@@ -144,6 +144,9 @@ class GenerationService:
                     result = self._generate(job, payload)
                     if job:
                         job.result = result
+            except NonFiniteLogits as error:  # every rank of the replica raised it: the generation ends, all go on
+                if job:
+                    job.error = error
             except Exception as error:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
                 if not job:
                     raise

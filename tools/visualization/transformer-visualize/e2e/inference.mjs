@@ -1,7 +1,7 @@
 // End-to-end, inference mode, against the real backend (tools/run_text_generation_server.py with
 // --enable-ws-server): connect, two prompts, 8 tokens, tokens equal to the REST answer for the same seed,
 // attention canvas painted, one PCA point per token, a perturbation changes the tokens and removing it
-// restores them. Screenshots of every view.
+// restores them, every perturbation target the page offers is taken by the server. Screenshots of every view.
 //   MEGASCOPE_HTTP=http://127.0.0.1:5000 MEGASCOPE_WS=ws://127.0.0.1:5001/ node e2e/inference.mjs
 import { check, connect, launch, reportFailure, paintedPixels, screenshot } from './browser.mjs';
 
@@ -105,6 +105,27 @@ async function main() {
     await page.waitForSelector('[data-test=compare-summary]', { timeout: 120000 });
     await page.waitForSelector('[data-test=compare]:enabled');
     await screenshot(page, 'perturbations');
+    await page.click('[data-test=clear-perturbations]');
+    await page.waitForSelector('[data-test=active-perturbations] .chip', { state: 'detached' });
+
+    // Every target the page offers, of every kind, is taken by the server: the choices come from the welcome.
+    let offered = 0;
+    for (const kind of ['storage', 'calculation', 'system']) {
+      await page.click(`[data-test=add-${kind}]`);
+      const row = (await page.$$('[data-test^=target-]')).length - 1;
+      const targets = await page.$$eval(`[data-test=target-${row}] option`, (options) => options.map((o) => o.value));
+      check(targets.length > 0, `the page offers no ${kind} target`);
+      for (const target of targets) {
+        await page.selectOption(`[data-test=target-${row}]`, target);
+        await page.click('[data-test=apply-perturbations]');
+        const shown = await page.waitForFunction(([k, t]) => [...document.querySelectorAll('[data-test=active-perturbations] .chip')]
+          .some((chip) => chip.textContent.includes(`: ${k} ${t} `)), [kind, target], { timeout: 30000 }).catch(() => null);
+        const refusal = await page.$$eval('[data-test=errors] .error', (nodes) => nodes.map((n) => n.textContent.trim()));
+        check(shown && !refusal.length, `the server did not take the offered ${kind} target ${target}: ${refusal.join(' | ')}`);
+        offered += 1;
+      }
+    }
+    console.log(`every offered perturbation target was taken: ${offered}`);
     await page.click('[data-test=clear-perturbations]');
   } catch (error) {
     await reportFailure(page);

@@ -1,5 +1,6 @@
 // End-to-end, training mode, against a real run (pretrain_gpt.py --training-ws-port): live iterations,
-// pause / step 2 / resume move the iteration counter by exactly what was asked, then stop.
+// pause / step 2 / resume move the iteration counter by exactly what was asked, then stop. The run waits
+// (--training-ws-wait) until the page resumes it.
 //   MEGASCOPE_WS=ws://127.0.0.1:5002/ node e2e/training.mjs
 import { check, connect, launch, reportFailure, screenshot, serveDist } from './browser.mjs';
 
@@ -42,6 +43,11 @@ async function main() {
   const { browser, page } = await launch();
   try {
     await connect(page, `http://127.0.0.1:${server.address().port}/`, WS, 'training');
+    // The run was started with --training-ws-wait: the page learns at once that it waits, and can start it.
+    await waitForCounter(page, { state: 'paused', iteration: 0 }, 'the waiting run, paused before iteration 1');
+    check(await page.isEnabled('[data-test=resume]') && await page.isEnabled('[data-test=step]'),
+      'Resume and Step are not enabled for a run that waits for them');
+    await page.click('[data-test=resume]');
     await waitForCounter(page, { state: 'running', above: 1 }, 'running iterations');
     await page.click('[data-test=watch-sample]');  // resid_post of sample 0, every iteration
     await page.waitForFunction(() => /\d/.test(document.querySelector('[data-test=sample-iteration]')?.textContent ?? ''), null, { timeout: 120000 });

@@ -7,7 +7,7 @@ import type { AddressInfo } from 'node:net';
 import { useCapturesStore } from '../src/stores/captures';
 import { useConnectionStore } from '../src/stores/connection';
 import { useGenerationStore } from '../src/stores/generation';
-import { usePerturbationsStore } from '../src/stores/perturbations';
+import { targetsFor, usePerturbationsStore } from '../src/stores/perturbations';
 import { useTrainingStore } from '../src/stores/training';
 import { wireStores } from '../src/stores/wiring';
 import type { IterationMessage } from '../src/protocol/messages';
@@ -18,6 +18,7 @@ const WELCOME = {
   type: 'welcome', protocol: 1, mode: 'inference',
   model: { num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, vocab_size: 100, tp: 1, pp: 1, dp: 1 },
   hooks: ['embed', 'blocks.{l}.attn.pattern'], reductions: ['none', 'norm'], noise: ['gaussian'], limits: {},
+  perturbation_targets: { storage: ['attn.qkv', 'ln2'], calculation: ['embed', 'final_norm'], system: ['resid'] },
 };
 
 type Script = (message: Record<string, unknown>, reply: (m: object | ArrayBuffer) => void) => void;
@@ -137,6 +138,12 @@ describe('generation, captures and perturbations stores', () => {
     expect(captures.series.get('1|blocks.0.attn.pattern')?.rows.size).toBe(2);
   });
 
+  it('offers exactly the perturbation targets the welcome declares', () => {
+    expect(targetsFor('storage', WELCOME.perturbation_targets)).toEqual(['attn.qkv', 'ln2']);
+    expect(targetsFor('calculation', WELCOME.perturbation_targets)).toEqual(['embed', 'final_norm']);
+    expect(targetsFor('system', {})).toEqual([]);
+  });
+
   it('rejects a generation the server refuses, and applies perturbations when the server reports the set', async () => {
     const connection = await connected((message, reply) => {
       welcoming(message, reply);
@@ -151,7 +158,7 @@ describe('generation, captures and perturbations stores', () => {
     generation.params.prompts = ['no id'];  // a refusal without the request's id, before the generation started
     await expect(generation.generate(connection.send, null, [])).rejects.toThrow(/bad_field/);
     const perturbations = usePerturbationsStore(pinia);
-    perturbations.add('system', 'gaussian', WELCOME.hooks);
+    perturbations.add('system', 'gaussian', WELCOME.perturbation_targets);
     await perturbations.apply(connection.send, perturbations.draft);
     expect(perturbations.active).toEqual([{ id: 'system-1', kind: 'system', target: 'resid', noise: 'gaussian', scale: 0.5, seed: 0, layers: null, enabled: true }]);
     await perturbations.apply(connection.send, []);

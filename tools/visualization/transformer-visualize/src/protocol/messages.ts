@@ -22,6 +22,8 @@ export interface Welcome {
   hooks: string[];
   reductions: string[];
   noise: string[];
+  /** What each perturbation kind may target, as the server validates it. */
+  perturbation_targets: Record<PerturbationKind, string[]>;
   limits: Record<string, unknown>;
 }
 

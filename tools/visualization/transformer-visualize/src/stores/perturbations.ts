@@ -6,14 +6,12 @@ import type { ClientMessage, Perturbation, PerturbationKind, ServerMessage } fro
 
 type Send = (message: ClientMessage) => boolean;
 
-const STORAGE_TARGETS = ['attn.qkv', 'attn.proj', 'mlp.fc1', 'mlp.fc2', 'ln1', 'embed'];
+export type DeclaredTargets = Partial<Record<PerturbationKind, string[]>>;
 
-/** What each kind may target (docs/megascope_protocol.md, "Perturbation"): calculation noise goes on a
- *  per-layer hook's output, so its targets are the per-layer hooks the welcome declares. */
-export function targetsFor(kind: PerturbationKind, declaredHooks: string[]): string[] {
-  if (kind === 'storage') return STORAGE_TARGETS;
-  if (kind === 'system') return ['resid'];
-  return declaredHooks.filter((h) => h.startsWith('blocks.{l}.') && !h.endsWith('.pattern')).map((h) => h.slice('blocks.{l}.'.length));
+/** What a kind may target: exactly what the server's welcome declares (`perturbation_targets`), so the page
+ *  never offers a target the server refuses. */
+export function targetsFor(kind: PerturbationKind, declared: DeclaredTargets): string[] {
+  return declared[kind] ?? [];
 }
 
 export const usePerturbationsStore = defineStore('perturbations', () => {
@@ -21,9 +19,9 @@ export const usePerturbationsStore = defineStore('perturbations', () => {
   const active = ref<Perturbation[]>([]);
   let counter = 0;
 
-  function add(kind: PerturbationKind, noise: string, declaredHooks: string[]): Perturbation {
+  function add(kind: PerturbationKind, noise: string, declared: DeclaredTargets): Perturbation {
     counter += 1;
-    const perturbation: Perturbation = { id: `${kind}-${counter}`, kind, target: targetsFor(kind, declaredHooks)[0] ?? '', noise, scale: 0.5, seed: 0, layers: null, enabled: true };
+    const perturbation: Perturbation = { id: `${kind}-${counter}`, kind, target: targetsFor(kind, declared)[0] ?? '', noise, scale: 0.5, seed: 0, layers: null, enabled: true };
     draft.value.push(perturbation);
     return perturbation;
   }
