@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,8 +53,6 @@ def main():
 
 def per_stage_peaks(peaks, stages):
     """schedule -> the largest peak of each pipeline stage's ranks (gathered from every rank)."""
-    from megatron.core import parallel_state
-
     mine = (parallel_state.get_pipeline_model_parallel_rank(), peaks)
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)

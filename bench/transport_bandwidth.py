@@ -157,17 +157,16 @@ def main():
         size *= 4
     transport.transport.close()
     if rank == 0:
+        ours, theirs = (link.name for link in links)
         print(f"\n{device}: slots {DEFAULT_SLOTS} x {args.slot_bytes >> 20} MiB, workload {args.workload} bytes; "
-              f"ratios: {links[0].name} / {links[1].name}\n")
-        names = [link.name for link in links]
-        print("| message | " + " | ".join(f"{n} latency (µs)" for n in names) + " | latency ratio | "
-              + " | ".join(f"{n} bandwidth (GB/s)" for n in names) + " | bandwidth ratio |")
-        print("|---:" * (2 * len(names) + 3) + "|")
-        for size, *cells in rows:
+              f"ratios: {ours} / {theirs}\n")
+        print(f"| message | {ours} latency (µs) | {theirs} latency (µs) | latency ratio | {ours} bandwidth (GB/s) | "
+              f"{theirs} bandwidth (GB/s) | bandwidth ratio |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for size, our_lat, their_lat, our_bw, their_bw in rows:
             label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
-            lats, bws = cells[:len(names)], cells[len(names):]
-            print(f"| {label} | " + " | ".join(f"{t * 1e6:.1f}" for t in lats) + f" | {lats[0] / lats[1]:.2f} | "
-                  + " | ".join(f"{b / 1e9:.2f}" for b in bws) + f" | {bws[0] / bws[1]:.2f} |", flush=True)
+            print(f"| {label} | {our_lat * 1e6:.1f} | {their_lat * 1e6:.1f} | {our_lat / their_lat:.2f} | "
+                  f"{our_bw / 1e9:.2f} | {their_bw / 1e9:.2f} | {our_bw / their_bw:.2f} |", flush=True)
     dist.destroy_process_group()
 
 

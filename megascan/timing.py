@@ -98,13 +98,13 @@ class CudaWindowClock:
                 best = (before, after, anchor)
         before, after, anchor = best
         self.anchor_wall_us = (before + after) / 2000.0
-        self.wall_minus_perf_ns = time.time_ns() - time.perf_counter_ns()
+        self.host = HostWindowClock()  # for host clock readings in the window
         self.anchor_gpu_us = self.base.elapsed_time(anchor) * 1000.0
         self.uncertainty_us = (after - before) / 2000.0
 
     def to_wall_us(self, mark):
         if isinstance(mark, int):  # a host clock reading (a transport's reported transfer: reported_transfers.py)
-            return (mark + self.wall_minus_perf_ns) / 1000.0
+            return self.host.to_wall_us(mark)
         self.used[id(mark)] = mark
         _wait_for(mark)
         return self.anchor_wall_us + self.base.elapsed_time(mark) * 1000.0 - self.anchor_gpu_us

@@ -81,8 +81,9 @@ class CaptureSpec:
         if not isinstance(logit_lens, bool):
             raise _bad("logit_lens must be true or false", "logit_lens")
         pca = _pca(obj.get("pca"), hooks)
-        if pca is not None and str(per_hook.get(pca.hook, reduction)) != "none":
-            raise _bad(f"pca.hook {pca.hook!r} is captured with reduction {per_hook.get(pca.hook, reduction)}, "
+        pca_reduction = None if pca is None else per_hook.get(pca.hook, reduction)
+        if pca_reduction is not None and str(pca_reduction) != "none":
+            raise _bad(f"pca.hook {pca.hook!r} is captured with reduction {pca_reduction}, "
                        "but PCA needs its full vectors: capture it with reduction none", "pca.hook")
         return cls(hooks=tuple(dict.fromkeys(hooks)), layers=_range(obj.get("layers"), "layers"),
                    tokens=_range(obj.get("tokens"), "tokens"), reduction=reduction, reductions=per_hook,

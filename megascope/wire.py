@@ -145,15 +145,16 @@ def check_fields(obj, fields, prefix=""):
     return out
 
 
-def load_json(data):
-    """A client's JSON text -> the value, or ProtocolError("bad_json") saying what is wrong with it."""
+def load_json(data, what="message"):
+    """A client's JSON text (``what``: "message", "body") -> the value, or ProtocolError("bad_json") saying
+    what is wrong with it."""
     try:
         return json.loads(data)
     except RecursionError:  # the parser recurses once per bracket: thousands of them exhaust the stack
-        raise ProtocolError("bad_json", "the message nests arrays or objects too deeply") from None
+        raise ProtocolError("bad_json", f"the {what} nests arrays or objects too deeply") from None
     except ValueError as error:
         where = f" ({error.msg} at character {error.pos})" if isinstance(error, json.JSONDecodeError) else ""
-        raise ProtocolError("bad_json", f"the message is not valid JSON{where}") from None
+        raise ProtocolError("bad_json", f"the {what} is not valid JSON{where}") from None
 
 
 def parse_message(data, allowed_types=INFERENCE_TYPES):

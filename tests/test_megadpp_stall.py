@@ -34,6 +34,7 @@ def _stop_while_sleeping(process, within_s=60):
     deadline = time.monotonic() + within_s
     while "nanosleep" not in wchan.read_text():
         assert time.monotonic() < deadline, "the stage never slept"
+        time.sleep(0.001)  # it sleeps 200 ms a forward: a millisecond's look is soon enough
     process.send_signal(signal.SIGSTOP)
 
 

@@ -75,8 +75,9 @@ def test_missing_compiled_parts_are_named_as_missing(tmp_path):
     copy = tmp_path / "checkout"
     shutil.copytree(REPO / "megadpp", copy / "megadpp", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
     shutil.copytree(REPO / "megatron", copy / "megatron", ignore=shutil.ignore_patterns("__pycache__"))
-    probe = ("from megadpp.transport import shared_memory_transport, TransportSetupError\n"
-             "try:\n    shared_memory_transport(0, [])\nexcept TransportSetupError as error:\n    print(error)\n")
+    probe = ("from megadpp.transport import cuda_ipc_transport, shared_memory_transport, TransportSetupError\n"
+             "for make in (shared_memory_transport, cuda_ipc_transport):\n"
+             "    try:\n        make(0, [])\n    except TransportSetupError as error:\n        print(error)\n")
     result = subprocess.run([sys.executable, "-c", probe], cwd=copy, capture_output=True, text=True, timeout=120,
                             env={**os.environ, "PYTHONPATH": str(copy)})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -85,4 +86,7 @@ def test_missing_compiled_parts_are_named_as_missing(tmp_path):
                         "found at build time); shared memory and torch.distributed transports only"), lines
     assert lines[1].startswith("megadpp transport: the shared-memory part of the C++ extension is not built; "
                                "build it in the repository with `pip install --no-build-isolation -e .`"), lines
+    assert lines[2].startswith("megadpp transport: the CUDA IPC part, which moves DPP's tensors between the GPUs of "
+                               "a node, is not built (it is built only where CUDA's compiler is found"), lines
+    assert "on a machine with CUDA's compiler (nvcc)" in lines[2], lines
     assert "circular import" not in result.stdout + result.stderr

@@ -16,7 +16,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadpp.transport import create_transport, cuda_ipc_transport, distributed_transport, shared_memory_transport
+from megadpp.transport import (TransportSetupError, create_transport, cuda_ipc_transport, distributed_transport,
+                               shared_memory_transport)
 from megadpp.transport.distributed import DistributedTransport
 from megadpp.transport.node import NodeTransport
 from megatron.training.errors import exit_on_user_error
@@ -100,6 +101,11 @@ def routed(rank, peers, observer):
     """--multi-node with two "nodes" of two ranks (--node-ips): shared memory to the rank of this
     node, torch.distributed to the other two."""
     flags = argparse.Namespace(device="cpu", multi_node=True, node_ips="127.0.0.1,127.0.0.2", workload=None)
+    try:  # GPU neighbours on other nodes would need NCCL: refused in one line, before anything is made
+        create_transport(argparse.Namespace(**{**vars(flags), "device": "cuda"}), peers)
+        raise AssertionError("GPU pipeline neighbours on other nodes were not refused")
+    except TransportSetupError as error:
+        assert "are pipeline neighbours on other nodes" in str(error), error
     transport = create_transport(flags, peers, observer=observer)
     kinds = {peer: type(transport.routes[peer]) for peer in peers}
     assert kinds == {p: NodeTransport if p // 2 == rank // 2 else DistributedTransport for p in peers}, kinds

@@ -242,9 +242,10 @@ class GenerationEngine:
         batch, k = forced.shape[0], min(params.topk_report, self.vocab_size)
         packed = None
         if step_logits is not None:
-            finite = torch.isfinite(step_logits[:, -1]).all(dim=-1).cpu()
+            last = step_logits[:, -1].cpu()  # the one copy to the host: the check and the draw both read it
+            finite = torch.isfinite(last).all(dim=-1)
             if finite.all():
-                chosen = draw(step_logits[:, -1], params, generators, forced)
+                chosen = draw(last, params, generators, forced)
             else:
                 zeros = torch.zeros(batch)
                 chosen = Draw(tokens=torch.where(finite, 0, _NON_FINITE), probs=zeros, logprobs=zeros,

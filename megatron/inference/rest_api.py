@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from megascope.errors import ProtocolError
-from megascope.wire import parse_rest_request
+from megascope.wire import load_json, parse_rest_request
 from megatron.inference.engine import NonFiniteLogits
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
@@ -57,13 +57,7 @@ class RestHandler(BaseHTTPRequestHandler):
         if length > MAX_BODY_BYTES:
             return self._refuse(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes")
         try:
-            body = json.loads(self.rfile.read(length) or b"null")
-        except ValueError:
-            return self._refuse(HTTPStatus.BAD_REQUEST, "the body is not valid JSON")
-        except RecursionError:  # the parser recurses once per bracket
-            return self._refuse(HTTPStatus.BAD_REQUEST, "the body nests arrays or objects too deeply")
-        try:
-            request = parse_rest_request(body)
+            request = parse_rest_request(load_json(self.rfile.read(length) or b"null", "body"))
             prompts = self.server.encoder.encode(request)
             seed = pick_seed(request["random_seed"])
             payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed)}

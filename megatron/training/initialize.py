@@ -21,8 +21,6 @@ def _use_deterministic_kernels():
 
 
 def _init_process_group(args, plugin_start=None):
-    if args.deterministic_mode:
-        _use_deterministic_kernels()
     # A plugin may start the group over part of the launched processes; it goes first because it may
     # change this process's settings (MegaFBD's forward instances: device, tensor-parallel size).
     started_by_plugin = plugin_start is not None and plugin_start(args)
@@ -55,6 +53,8 @@ def set_random_seed(seed, cuda_graphs=False):
 
 def initialize_megatron(args, plugin_start=None):
     """``plugin_start(args) -> bool``: a plugin's start of torch.distributed (see plugins.py)."""
+    if args.deterministic_mode:
+        _use_deterministic_kernels()
     _init_process_group(args, plugin_start)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
