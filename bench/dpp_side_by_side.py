@@ -2,6 +2,9 @@
 each round trains every schedule for --iterations iterations (a fresh model each time) and the table
 gives each schedule's median iteration time over all rounds (the first iteration of a run left out).
 Rounds alternate the schedules, so load that other processes put on the machine hits all of them.
+With --predict the table adds the simulator's prediction for the same pipeline and delays
+(megadpp/prediction.py): its cost solved from the measured static time, or, with --prediction-slow-stage S
+and the forward time a healthy run printed (--prediction-forward-ms), the slow-down of stage S.
 
     torchrun --nproc_per_node 4 bench/dpp_side_by_side.py --entry pretrain_gpt --rounds 3 --iterations 6 \
         <pretrain_gpt.py flags with --pipeline-model-parallel-size 4 --use-dpp [--dpp-delay-stage 2 ...]>
@@ -15,10 +18,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megadpp.side_by_side import STATIC, run_schedule, setup  # noqa: E402
+from megadpp.prediction import predict  # noqa: E402
+from megadpp.side_by_side import STATIC, parse_schedule, run_schedule, setup  # noqa: E402
 
 
 def main():
@@ -27,7 +32,14 @@ def main():
     parser.add_argument("--schedules", default="static,depth-first,breadth-first")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--iterations", type=int, default=6)
+    parser.add_argument("--predict", action="store_true", help="print the simulator's prediction beside each")
+    parser.add_argument("--prediction-forward-ms", type=float, default=None)
+    parser.add_argument("--prediction-slow-stage", type=int, default=None)
     ours, megatron_argv = parser.parse_known_args()
+    if ours.predict and STATIC not in ours.schedules.split(","):
+        parser.error("--predict needs the static schedule among --schedules (the prediction is solved from it)")
+    if (ours.prediction_slow_stage is None) != (ours.prediction_forward_ms is None):
+        parser.error("--prediction-slow-stage and --prediction-forward-ms go together (the healthy run's forward)")
     entry = importlib.import_module(ours.entry)
     job = setup(megatron_argv, entry)
     specs = ours.schedules.split(",")
@@ -40,15 +52,34 @@ def main():
             peaks[spec] = max(peaks[spec], run.peak_memory_bytes)
     stage_peaks = per_stage_peaks(peaks, job.args.pipeline_model_parallel_size)
     if dist.get_rank() == 0:
-        reference = statistics.median(seconds[STATIC]) if STATIC in seconds else None
-        print("| schedule | median iteration (ms) | vs static | peak memory per pipeline stage (GiB) |")
-        print("|---|---|---|---|")
-        for spec, values in seconds.items():
-            median = statistics.median(values)
-            ratio = f"{median / reference:.2f}x" if reference else "n/a"
-            memory = " / ".join(f"{b / 2**30:.1f}" for b in stage_peaks[spec])
-            print(f"| {spec} | {median * 1000:.1f} | {ratio} | {memory} |", flush=True)
+        medians = {spec: statistics.median(values) * 1000 for spec, values in seconds.items()}
+        print_table(medians, stage_peaks, prediction(ours, job.args, medians) if ours.predict else None)
     dist.barrier()
+
+
+def prediction(ours, args, medians):
+    chunks = args.virtual_pipeline_model_parallel_size or 1
+    found = predict(args, chunks, get_num_microbatches(), medians[STATIC], ours.prediction_forward_ms,
+                    ours.prediction_slow_stage)
+    print(f"simulator: forward_ms={found.forward_ms:.3f} stage scale "
+          + " / ".join(f"{s:.2f}" for s in found.stage_scale)
+          + f"; no schedule beats {found.bound_ms:.1f} ms (the busiest stage's own compute)")
+    return found
+
+
+def print_table(medians, stage_peaks, found):
+    reference = medians.get(STATIC)
+    predicted = "| simulator (ms), vs static " if found else ""
+    print(f"| schedule | median iteration (ms) | vs static | peak memory per pipeline stage (GiB) {predicted}|")
+    print("|---|---|---|---|" + ("---|" if found else ""))
+    for spec, median in medians.items():
+        ratio = f"{median / reference:.2f}x" if reference else "n/a"
+        memory = " / ".join(f"{b / 2**30:.1f}" for b in stage_peaks[spec])
+        cell = ""
+        if found:
+            simulated = found.static_ms if spec == STATIC else found.dpp_ms[parse_schedule(spec)[0]]
+            cell = f"| {simulated:.1f}, {simulated / found.static_ms:.2f}x "
+        print(f"| {spec} | {median:.1f} | {ratio} | {memory} {cell}|", flush=True)
 
 
 def per_stage_peaks(peaks, stages):

@@ -9,11 +9,13 @@
 #   fallback_and_stall  a copy of the repository without the CUDA IPC module starts PP2 on GPUs 2,3 (it must stop
 #                       at start-up with one line saying how to build it), beside PP2 with --dpp-timeout 10 on
 #                       GPUs 0,1 whose stage 1 is stopped (SIGSTOP) after iteration 3: the job must end naming it
-#   trace               PP4 traced (--trace) with scripts/gpu_load.py on GPU 2; tools/aggregate.py -d on its traces
-#   speed               (not run yet: docs/benchmarks.md) GPT 1.3B bf16 side by side (bench/dpp_side_by_side.py): PP4 (1F1B vs DPP) healthy, with a
-#                       slow link, with uneven stages and with GPU 2 under load; PP2 with a virtual pipeline on
-#                       GPUs 0,1 and 2,3 (interleaved 1F1B vs DPP), healthy and with a slow link
-# The model: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual pipeline), 8 microbatches.
+#   trace               GPT 1.3B at PP4 traced (--trace) with scripts/gpu_load.py on GPU 2; tools/aggregate.py -d on
+#                       its traces
+#   speed               GPT 1.3B bf16 side by side (bench/dpp_side_by_side.py --predict: the simulator's prediction
+#                       beside each): PP4 (1F1B vs DPP) healthy, with a slow link, with uneven stages (9/6/6/6
+#                       layers) and with GPU 2 under load; PP2 with a virtual pipeline on GPUs 0,1 and 2,3
+#                       (interleaved 1F1B vs DPP), healthy and with a slow link
+# Stress, fallback and stall: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual pipeline), 8 microbatches.
 # Needs megatron-core importable and the transport built in place (python3 setup.py build_ext --inplace).
 #   bash bench/gpu_megadpp.sh [phase ...]        outputs under ${RESULTS:-bench_results}
 set -uo pipefail
@@ -30,6 +32,10 @@ STRESS=("${JOB[@]}" --dpp-jitter-ms "${JITTER_MS:-2}")
 declare -A STRESS_LAYOUTS=([pp2]="--pipeline-model-parallel-size 2" [pp4]="--pipeline-model-parallel-size 4"
                            [pp4_vp2]="--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 2")
 declare -A STRESS_GPUS=([pp2]=0,1 [pp4]=0,1,2,3 [pp4_vp2]=0,1,2,3)
+# GPT 1.3B, GPU-bound (the speed and trace phases): 16 microbatches, GPU initialization (speed only; the stress
+# phase checks equality)
+BIG=("${MODEL[@]}" ${SIZES[1.3b]} --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2
+     --global-batch-size 32 --train-iters 100 --use-dpp)
 
 run_stress() {  # name, gpus, extra flags...
     local name=$1 gpus=$2; shift 2
@@ -62,7 +68,7 @@ phase_stress() {
 
 phase_fallback() {
     local copy=/tmp/megadpp_without_cuda_ipc
-    rm -rf "$copy" && mkdir -p "$copy" && cp -r pretrain_gpt.py megatron megadpp megascan megafbd megascope "$copy"/
+    rm -rf "$copy" && mkdir -p "$copy" && cp -r pretrain_gpt.py datasets megatron megadpp megascan megafbd megascope "$copy"/
     rm -f "$copy"/megadpp/transport/_cuda_ipc*.so
     (cd "$copy" && CUDA_VISIBLE_DEVICES=2,3 timeout 300 torchrun --nproc_per_node 2 --master-port 29520 pretrain_gpt.py \
         "${JOB[@]}" --train-iters 6 --log-interval 1 ${STRESS_LAYOUTS[pp2]}) > "$RESULTS/fallback_unbuilt.log" 2>&1
@@ -102,7 +108,7 @@ phase_trace() {
     python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 240 > "$RESULTS/trace_load.log" 2>&1 &
     local load=$!
     sleep 3
-    timeout 300 torchrun --nproc_per_node 4 pretrain_gpt.py "${JOB[@]}" --train-iters 20 --log-interval 5 \
+    timeout 300 torchrun --nproc_per_node 4 pretrain_gpt.py "${BIG[@]}" --train-iters 20 --log-interval 5 \
         ${STRESS_LAYOUTS[pp4]} --trace --trace-dir "$RESULTS/trace" --trace-interval 5 \
         --continuous-trace-iterations 2 > "$RESULTS/trace_run.log" 2>&1
     echo "traced run exit $?"; grep -E "MegaDPP|iteration +20/" "$RESULTS/trace_run.log" | cut -c1-200
@@ -112,27 +118,33 @@ phase_trace() {
 }
 
 phase_speed() {
-    local big=("${MODEL[@]}" ${SIZES[1.3b]} "${DROPOUT[@]}" --micro-batch-size 2 --global-batch-size 32
-               --train-iters 100 --use-dpp)
     local pp4=(--pipeline-model-parallel-size 4) vp=(--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6)
-    local link=(--dpp-delay-link 1 --dpp-delay-ms 20 --dpp-delay-probability 0.3)
-    side() {  # name, gpus, nproc, port, flags...
-        local name=$1 gpus=$2 nproc=$3 port=$4; shift 4
-        CUDA_VISIBLE_DEVICES=$gpus timeout 420 torchrun --nproc_per_node "$nproc" --master-port "$port" \
-            bench/dpp_side_by_side.py --rounds 2 --iterations 5 "${big[@]}" "$@" > "$RESULTS/speed_$name.log" 2>&1
-        echo "== speed $name exit $?"; sed -n '/^| schedule/,$p' "$RESULTS/speed_$name.log"
+    local delay=(--dpp-delay-ms 20 --dpp-delay-probability 0.3)
+    side() {  # name, gpus, port, flags...
+        local name=$1 gpus=$2 port=$3; shift 3
+        CUDA_VISIBLE_DEVICES=$gpus timeout 300 torchrun --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)" \
+            --master-port "$port" bench/dpp_side_by_side.py --rounds 2 --iterations 6 --predict "${BIG[@]}" "$@" \
+            > "$RESULTS/speed_$name.log" 2>&1
+        echo "== speed $name exit $?"; sed -n '/^simulator:/,$p' "$RESULTS/speed_$name.log"
     }
-    side pp4_healthy 0,1,2,3 4 29500 "${pp4[@]}"
-    side pp4_link 0,1,2,3 4 29500 "${pp4[@]}" "${link[@]}"
-    side pp4_uneven 0,1,2,3 4 29500 "${pp4[@]}" --num-layers 27 --decoder-first-pipeline-num-layers 9
-    python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 400 > "$RESULTS/speed_load.log" 2>&1 &
-    local load=$!
-    sleep 3
-    side pp4_gpu2_loaded 0,1,2,3 4 29500 "${pp4[@]}"
-    kill "$load"; wait "$load"
-    side vp_healthy 0,1 2 29501 "${vp[@]}" &
-    side vp_link 2,3 2 29502 "${vp[@]}" --dpp-delay-link 0 --dpp-delay-ms 20 --dpp-delay-probability 0.3 &
-    wait
+    speed_pp4() {
+        side pp4_healthy 0,1,2,3 29500 "${pp4[@]}"
+        local forward
+        forward=$(grep -oP 'simulator: forward_ms=\K[0-9.]+' "$RESULTS/speed_pp4_healthy.log")
+        side pp4_link 0,1,2,3 29500 "${pp4[@]}" --dpp-delay-link 1 "${delay[@]}"
+        side pp4_uneven 0,1,2,3 29500 "${pp4[@]}" --num-layers 27 --decoder-first-pipeline-num-layers 9
+        python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 300 > "$RESULTS/speed_load.log" 2>&1 &
+        local load=$!
+        sleep 3
+        side pp4_gpu2_loaded 0,1,2,3 29500 "${pp4[@]}" --prediction-forward-ms "${forward:-1}" --prediction-slow-stage 2
+        kill "$load"; wait "$load"
+    }
+    speed_vp() {
+        side vp_healthy 0,1 29501 "${vp[@]}" &
+        side vp_link 2,3 29502 "${vp[@]}" --dpp-delay-link 0 "${delay[@]}" &
+        wait
+    }
+    for part in ${SPEED_PARTS:-pp4 vp}; do "speed_$part"; done
 }
 
 for phase in ${@:-transport stress fallback_and_stall trace}; do

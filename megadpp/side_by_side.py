@@ -9,6 +9,7 @@ with --use-cpu-initialization makes them equal), and the delays of --dpp-delay-s
 """
 
 import functools
+import gc
 import time
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ def run_schedule(job, entry, spec, iterations, schedule_log=None):
     import megadpp
 
     args = job.args
+    gc.collect()  # the previous schedule's model and optimizer sit in reference cycles: not in this one's peak
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(entry.model_provider, args))
     if args.dpp_delay_stage is not None:
         install_stage_delay(model, args)

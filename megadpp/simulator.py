@@ -3,7 +3,7 @@ fixed orders, DPP asks the same policy code the runtime asks (megadpp/policy.py)
 becomes free. bench/dpp_simulate.py drives it.
 
 Cost model: a chunk's forward takes ``forward_ms / chunks`` on its rank (backward ``backward_ratio`` times
-that), every transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay in [0, jitter_ms) to every
+that; ``stage_scale``, one factor per pipeline rank, makes stages uneven: more layers, a slower GPU), every transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay in [0, jitter_ms) to every
 compute; one straggler stage adds ``straggler_ms`` to a forward there (as --dpp-delay-stage does) with probability
 ``straggler_probability``, one straggler link the same to transfers leaving that stage. Random draws
 depend only on (seed, what, stage, microbatch), so every schedule meets the same delays.
@@ -35,6 +35,7 @@ class CostModel:
     straggler_ms: float = 0.0
     straggler_probability: float = 1.0
     seed: int = 0
+    stage_scale: tuple = None  # per pipeline rank: its compute times this (None: all 1)
 
     def _draw(self, *key):
         return random.Random(hash((self.seed, *key))).random()
@@ -42,6 +43,8 @@ class CostModel:
     def compute_ms(self, pp_rank, chunks, action):
         kind = 0 if action.kind == FORWARD else 1
         base = self.forward_ms / chunks * (1.0 if kind == 0 else self.backward_ratio)
+        if self.stage_scale is not None:
+            base *= self.stage_scale[pp_rank]
         key = (pp_rank, action.chunk, kind, action.microbatch)
         extra = self.jitter_ms * self._draw(0, *key)
         if kind == 0 and pp_rank == self.straggler_stage and self._draw(1, *key) < self.straggler_probability:

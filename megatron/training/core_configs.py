@@ -11,6 +11,7 @@ from megatron.core.transformer.enums import AttnBackend
 
 def transformer_config(args):
     on_cpu = args.device == "cpu"
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -51,13 +52,20 @@ def transformer_config(args):
                                and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None),
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
-        deallocate_pipeline_outputs=True,
+        # Frees a sent activation's storage early (its autograd graph stays); a CUDA-graphed layer's output is a
+        # view of the graph's static buffer, which megatron-core refuses to free ("counter-productive to free a
+        # view of another tensor", the first pipelined iteration with --cuda-graph-impl local).
+        deallocate_pipeline_outputs=args.cuda_graph_impl == "none",
         cuda_graph_impl=args.cuda_graph_impl,
         cuda_graph_scope=args.cuda_graph_scope,  # empty: the whole layer
         cuda_graph_warmup_steps=args.cuda_graph_warmup_steps,
-        # Pipeline p2p batched on NCCL. gloo runs a batch as separate transfers, and with the
-        # interleaved schedule that gave wrong losses: one transfer at a time on CPU.
-        batch_p2p_comm=not on_cpu,
+        # On GPUs the interleaved schedule overlaps its pipeline transfers with compute, one isend/irecv per
+        # direction (Megatron-LM's default). Batched, a ring of two stages sends both directions to one peer over
+        # one communicator, which matches them in order: the activation lands in the gradient's buffer (Inf
+        # gradients at the first step). Other pipelines batch them on NCCL. On CPU every transfer completes before
+        # the schedule goes on: gloo reads a send's tensor on its own thread, after the schedule has freed it.
+        overlap_p2p_comm=interleaved and not on_cpu,
+        batch_p2p_comm=not on_cpu and not interleaved,
     )
 
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Parallel layouts against one GPU, losses and grad norms of every iteration (docs/benchmarks.md): GPT 345M bf16,
+# dropout 0, --use-cpu-initialization (the same start in every layout), 8 iterations of 8 microbatches:
+# DP2, TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each eager and with megatron-core's local
+# CUDA graphs (--cuda-graph-impl local), on GPUs 0,1 and 2,3 two at a time. For each run it also prints how long
+# the job took to exit after its last iteration (a job that does not exit is stopped after EXIT_WAIT s).
+#   [CHECK_LAYOUTS="dp2 tp2_sp pp2 pp2_vp"] [MODES="eager graphs"] bash bench/gpu_layout_losses.sh
+# Outputs under ${RESULTS:-bench_results}/layout_losses.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source bench/gpt345m_setup.sh
+OUTDIR=$RESULTS/layout_losses
+mkdir -p "$OUTDIR"
+COMMON=("${MODEL[@]}" --hidden-dropout 0 --attention-dropout 0 --use-cpu-initialization --micro-batch-size 2
+        --global-batch-size 16 --train-iters 8 --lr-warmup-iters 1 --log-interval 1)
+declare -A LAYOUT=([dp2]="" [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
+                   [pp2]="--pipeline-model-parallel-size 2"
+                   [pp2_vp]="--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6")
+ITERATIONS=8
+
+launch() {  # name, gpus, port, flags...: runs the job, then says how long it took to exit after its last iteration
+    local name=$1 gpus=$2 port=$3; shift 3
+    local log=$OUTDIR/$name.log
+    CUDA_VISIBLE_DEVICES=$gpus timeout 240 torchrun --nproc_per_node "$(tr ',' '\n' <<< "$gpus" | wc -l)" \
+        --master-port "$port" pretrain_gpt.py "${COMMON[@]}" "$@" > "$log" 2>&1 &
+    local job=$! waited=0
+    until grep -qE "iteration +$ITERATIONS/" "$log" 2>/dev/null || ! kill -0 "$job" 2>/dev/null; do sleep 0.2; done
+    local last=$SECONDS
+    until ! kill -0 "$job" 2>/dev/null || ((waited++ > ${EXIT_WAIT:-60} * 5)); do sleep 0.2; done
+    if kill -0 "$job" 2>/dev/null; then
+        pkill -f -- "--master-port $port" ; echo "$name: did not exit ${EXIT_WAIT:-60} s after its last iteration"
+    fi
+    wait "$job"
+    echo "$name: exit $?, $((SECONDS - last)) s from the last iteration to exit; $(grep -m1 -oE 'CUDA graphs[^;|]*' "$log")"
+}
+
+launch single 0 29600
+runs=()  # name and flags, run two at a time (GPUs 0,1 and 2,3)
+for layout in ${CHECK_LAYOUTS:-dp2 tp2_sp pp2 pp2_vp}; do
+    [[ " ${MODES:-eager graphs} " == *" eager "* ]] && runs+=("$layout|${LAYOUT[$layout]} --cuda-graph-impl none")
+    [[ " ${MODES:-eager graphs} " == *" graphs "* ]] && runs+=("${layout}_graphs|${LAYOUT[$layout]} --cuda-graph-impl local")
+done
+names=()
+for ((i = 0; i < ${#runs[@]}; i += 2)); do
+    for slot in 0 1; do
+        [[ -n ${runs[i + slot]:-} ]] || continue
+        IFS='|' read -r name flags <<< "${runs[i + slot]}"
+        names+=("$name=$OUTDIR/$name.log")
+        launch "$name" "$((2 * slot)),$((2 * slot + 1))" "$((29601 + slot))" $flags &
+    done
+    wait
+done
+python3 bench/layout_losses.py "$OUTDIR/single.log" "${names[@]}"

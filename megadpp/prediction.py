@@ -1,0 +1,91 @@
+"""What the simulator (megadpp/simulator.py) predicts for a measured side-by-side run
+(bench/dpp_side_by_side.py): the same pipeline, microbatches and injected delays, with the one cost it cannot
+know solved from the measurement itself, so that the simulated static schedule takes as long as the measured
+one. Then DPP's simulated time on those costs is the prediction printed beside DPP's measured time.
+
+The unknown is either the forward time of one microbatch (healthy, slow link, uneven stages: the layers of
+each stage set their relative costs) or, given that forward time from a healthy run of the same job
+(``forward_ms``), the slow-down of one stage (``slow_stage``: a GPU that shares its time with another job).
+The simulator's makespan covers the pipeline alone; the optimizer step and the gradient synchronisation are
+folded into the solved cost, which makes the predicted ratio a little closer to 1 than the pipeline's own.
+"""
+
+import statistics
+from dataclasses import dataclass
+
+from megadpp.policy import POLICIES
+from megadpp.runtime import default_caps
+from megadpp.simulator import CostModel, simulate
+from megadpp.static_orders import static_order
+
+TRANSFER_MS = 0.2  # one activation between neighbouring GPUs of a host (16 MiB over NVLink); small either way
+SEEDS = 5  # delay draws averaged, the same draws for every schedule
+
+
+@dataclass
+class Prediction:
+    forward_ms: float  # one stage's forward of one microbatch at the mean stage size
+    stage_scale: tuple  # per pipeline rank: its compute relative to that
+    static_ms: float  # the simulated static schedule (equal to the measured one, by construction)
+    dpp_ms: dict  # policy -> simulated DPP makespan
+    bound_ms: float  # the busiest stage's own compute: no schedule of these costs finishes sooner
+
+
+def layers_per_stage(args):
+    """The decoder layers of each pipeline rank, Megatron-LM's uneven split included."""
+    pp = args.pipeline_model_parallel_size
+    ends = {0: args.decoder_first_pipeline_num_layers, pp - 1: args.decoder_last_pipeline_num_layers}
+    given = {stage: layers for stage, layers in ends.items() if layers is not None}
+    middle = pp - len(given)
+    each = (args.num_layers - sum(given.values())) // middle if middle else 0
+    return [given.get(stage, each) for stage in range(pp)]
+
+
+class _Pipeline:
+    def __init__(self, args, chunks, microbatches):
+        self.stages, self.chunks, self.microbatches = args.pipeline_model_parallel_size, chunks, microbatches
+        self.link = {}
+        if args.dpp_delay_link is not None:
+            self.link = dict(straggler_link=args.dpp_delay_link, straggler_ms=args.dpp_delay_ms,
+                             straggler_probability=args.dpp_delay_probability)
+        self.orders = {r: static_order(r, self.stages, chunks, microbatches) for r in range(self.stages)}
+        self.caps = default_caps(self.stages, chunks, microbatches, self.stages)
+
+    def makespan(self, forward_ms, stage_scale, policy=None):
+        spans = []
+        for seed in range(SEEDS):
+            cost = CostModel(forward_ms=forward_ms, transfer_ms=TRANSFER_MS, stage_scale=stage_scale, seed=seed,
+                             **self.link)
+            result = simulate(self.stages, self.chunks, self.microbatches, cost,
+                              static_orders=None if policy else self.orders, policy=policy, caps=self.caps)
+            spans.append(result.makespan_ms)
+        return statistics.mean(spans)
+
+
+def _solve(makespan_of, target_ms, low, high):
+    """The x in [low, high] whose (increasing) makespan_of(x) is target_ms, by bisection."""
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if makespan_of(middle) < target_ms else (low, middle)
+    return (low + high) / 2
+
+
+def predict(args, chunks, microbatches, static_ms, forward_ms=None, slow_stage=None):
+    pipeline = _Pipeline(args, chunks, microbatches)
+    layers = layers_per_stage(args)
+    mean = statistics.mean(layers)
+    scale = [n / mean for n in layers]
+    if slow_stage is None:
+        forward_ms = _solve(lambda f: pipeline.makespan(f, tuple(scale)), static_ms, 1e-3, static_ms)
+    else:
+        if forward_ms is None:
+            raise ValueError("a slow stage's prediction needs forward_ms from a healthy run of the same job")
+
+        def slowed(factor):
+            return tuple(s * factor if stage == slow_stage else s for stage, s in enumerate(scale))
+
+        scale = list(slowed(_solve(lambda k: pipeline.makespan(forward_ms, slowed(k)), static_ms, 1.0, 100.0)))
+    scale = tuple(scale)
+    busiest = microbatches * forward_ms * (1 + CostModel().backward_ratio) * max(scale)
+    return Prediction(forward_ms, scale, pipeline.makespan(forward_ms, scale),
+                      {policy: pipeline.makespan(forward_ms, scale, policy) for policy in POLICIES}, busiest)
