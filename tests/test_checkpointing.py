@@ -67,3 +67,18 @@ def test_checkpoint_with_a_truncated_shard_is_one_line_naming_the_file_and_the_i
         f"pretrain_gpt.py: error: --load: checkpoint {tmp_path}/iter_0000003 is damaged: {shard} is cut short "
         f"({size // 2} of {size} bytes); other iterations saved there: 2; write one of them into "
         f"{tmp_path / TRACKER} to resume from it, or remove --load to train from scratch"]
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_each_differing_flag(gpt_data, tmp_path):
+    """Another head count used to load silently (and train at a loss of 9.7 instead of 6.2); another hidden size
+    failed with megatron-core's 85-line exception."""
+    _train(1, gpt_data, 3, "--save", tmp_path)
+    for what in ("pretrain_gpt.py", "tools/checkpoint/generate_greedy.py"):
+        extra = ["--prompts-json", "[]", "--output", tmp_path / "out"] if "greedy" in what else ["--train-iters", "4"]
+        result = run_script(what, TINY_GPT + gpt_data_args(gpt_data) + extra + [
+            "--load", tmp_path, "--num-attention-heads", "8", "--swiglu"])
+        assert result.returncode != 0
+        assert result.stderr.strip().splitlines() == [
+            f"{os.path.basename(what)}: error: --load: {tmp_path}/iter_0000003 holds another model: "
+            f"--num-attention-heads 4 there, 8 here; --num-query-groups 4 there, 8 here; --kv-channels 16 there, "
+            f"8 here; --swiglu off there, on here; launch with the model flags it was saved with"]

@@ -324,6 +324,14 @@ def test_missing_or_unsupported_input_is_one_line_naming_it(llama3, tmp_path):
     assert _convert_error(misdescribed, out) == [
         "convert.py: error: model.layers.0.mlp.gate_proj.weight has shape (96, 64), which does not fit the model "
         "config.json describes (decoder.layers.mlp.linear_fc1.weight (128, 64))"]
+    windowed = tmp_path / "windowed"  # Mistral's sliding window was dropped: logits diverged past it
+    shutil.copytree(root / "hf", windowed)
+    (windowed / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
+                                                      "sliding_window": 8}))
+    assert _convert_error(windowed, out) == [
+        f"convert.py: error: {windowed / 'config.json'}: sliding-window attention (sliding_window 8, "
+        f"max_position_embeddings {config['max_position_embeddings']}) is not supported: the converted model "
+        f"would attend beyond the window"]
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))

@@ -2,14 +2,18 @@
 
 Shared by the generation tools (tools/run_text_generation_server.py, tools/checkpoint/generate_greedy.py).
 Without ``--load`` the model keeps its seeded initialization (as Megatron-LM's server does), which with
-``--use-cpu-initialization`` is the same at every layout.
+``--use-cpu-initialization`` is the same at every layout. A ``--load`` that holds no checkpoint is refused:
+training starts from scratch there, but generating from random weights the user did not ask for would
+look like a working model.
 """
 
 import functools
+import os
 
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import load_checkpoint, use_checkpoint_vocab_padding
-from megatron.training.errors import ArgumentError
+from megatron.training.checkpointing import (TRACKER_FILENAME, load_checkpoint, read_tracker,
+                                             use_checkpoint_vocab_padding)
+from megatron.training.errors import ArgumentError, UserError
 from megatron.training.initialize import initialize_megatron
 from megatron.training.model_setup import build_model
 from megatron.training.tokenizer import build_tokenizer
@@ -28,15 +32,32 @@ def _no_cuda_graphs(args):
     args.cuda_graph_impl = "none"
 
 
+def _require_checkpoint(load):
+    if load is None:
+        return
+    if not os.path.isdir(load):
+        raise UserError(f"--load {load}: no such directory; give the directory a training run saved into "
+                        f"(--save), or drop --load to generate from the seeded random initialization")
+    if read_tracker(load) is None:
+        raise UserError(f"--load {load}: no checkpoint there ({TRACKER_FILENAME} not found); give the directory "
+                        f"a training run saved into (--save), or drop --load to generate from the seeded random "
+                        f"initialization")
+
+
 def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, check_args=None):
     """(args, model chunks in eval mode, tokenizer) from a command line of Megatron flags; ``check_args``
     (args) refuses a tool's own bad flags before anything is loaded."""
     args = parse_args(_TRAINING_ONLY + list(argv), prog, extra_args_provider=extra_args_provider)
+    # A training command's schedule and data flags (a warm-up longer than the one iteration above, --data-path
+    # beside --mock-data) mean nothing here: its model flags can be pasted as they are.
+    args.lr_warmup_iters, args.lr_warmup_fraction, args.lr_decay_iters = 0, None, None
+    args.data_path = None
     _no_cuda_graphs(args)
     validate_args(args)
     if check_args is not None:
         check_args(args)
     args.finetune = True  # weights only
+    _require_checkpoint(args.load)
     use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)
     initialize_megatron(args)

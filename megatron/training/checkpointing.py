@@ -19,6 +19,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron.training.checkpoint_checks import damaged_file, what_to_do
+from megatron.training.checkpoint_model import check_model_args, model_args
 from megatron.training.errors import UserError
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -138,7 +139,8 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
                                 is_loading=False)
     state.update(iteration=iteration, consumed_train_samples=consumed_train_samples,
                  checkpoint_version=3.0, layout=_layout(args), padded_vocab_size=args.padded_vocab_size,
-                 contents={"optimizer": not args.no_save_optim, "rng": not args.no_save_rng})
+                 contents={"optimizer": not args.no_save_optim, "rng": not args.no_save_rng},
+                 model_args=model_args(args))
     dist_checkpointing.save(state, work_dir)
     torch.distributed.barrier()
     if rank == 0:
@@ -198,6 +200,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
     if "contents" not in common:
         raise UserError(f"--load: {directory} was not written by MegatronApp's pretrain scripts "
                         f"(no 'contents' entry in its common.pt); convert it or train from scratch")
+    check_model_args(common.get("model_args"), args, directory)
     contents = common["contents"]
     with_optimizer = contents["optimizer"] and not (args.no_load_optim or args.finetune)
     # RNG streams belong to (pipeline, tensor) ranks: meaningless in another layout.

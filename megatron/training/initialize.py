@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from megatron.training.cpu_compat import install_cpu_compat
 
@@ -72,6 +73,10 @@ def initialize_megatron(args, plugin_start=None):
 
 
 def shutdown():
+    if torch.cuda.is_initialized():
+        # A captured graph (megatron-core's local CUDA graphs) holds the NCCL communicators of the collectives
+        # inside it (tensor parallelism's): a TP2 job on two H100s never returned from destroying their group.
+        delete_cuda_graphs()
     if torch.distributed.is_initialized():
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()

@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 import core_layout
 import llama_tensors
 from llama_config import check_layout, llama_shape, read_config
+from megatron.training.checkpoint_model import model_args
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 from megatron.training.errors import UserError
 from output_dir import copy_hf_side_files, written_atomically
@@ -142,7 +143,7 @@ def convert(options):
                      layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "virtual_pipeline_model_parallel_size": None},
                      padded_vocab_size=padded_vocab_size, contents={"optimizer": False, "rng": False},
-                     converted_from=os.path.abspath(options.load_dir))
+                     model_args=model_args(args), converted_from=os.path.abspath(options.load_dir))
         start = time.time()
         iteration_dir = checkpoint_dir(work_dir, ITERATION)
         os.makedirs(iteration_dir)

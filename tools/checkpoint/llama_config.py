@@ -83,6 +83,17 @@ def _rope(config, path):
     return base, float(rope["factor"])
 
 
+def _refuse_sliding_window(config, architecture, path):
+    """transformers applies ``sliding_window`` to Mistral whenever it is set, to Qwen2 only with
+    ``use_sliding_window``; a window at least as long as the positions never takes effect."""
+    window = config.get("sliding_window")
+    applies = config.get("use_sliding_window") if architecture == "Qwen2ForCausalLM" else window is not None
+    positions = config.get("max_position_embeddings")
+    if applies and (window is None or positions is None or window < positions):
+        raise UserError(f"{path}: sliding-window attention (sliding_window {window}, max_position_embeddings "
+                        f"{positions}) is not supported: the converted model would attend beyond the window")
+
+
 def llama_shape(config, path):
     """The model config.json describes, or a UserError naming what is not supported."""
     architecture = (config.get("architectures") or ["(none named)"])[0]
@@ -91,8 +102,7 @@ def llama_shape(config, path):
                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     if config.get("hidden_act", "silu") != "silu" or config.get("mlp_bias") or config.get("attention_bias"):
         raise UserError(f"{path}: only SwiGLU (hidden_act silu) without MLP/attention biases is supported")
-    if config.get("use_sliding_window"):
-        raise UserError(f"{path}: sliding-window attention is not supported")
+    _refuse_sliding_window(config, architecture, path)
     base, scaling = _rope(config, path)
     if base != int(base):
         raise UserError(f"{path}: rope_theta {base} is not an integer (--rotary-base takes integers)")

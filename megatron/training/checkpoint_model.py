@@ -1,0 +1,45 @@
+"""The flags that define a checkpoint's model, recorded in every checkpoint (``model_args`` in its common
+state) and checked against the launch before any tensor is read, as Megatron-LM's ``check_checkpoint_args``
+does: loaded into a model of another head count, a checkpoint's tensors fit and it trains and generates
+silently wrong; of another hidden size, megatron-core fails with a long exception that names no flag.
+
+Rotary base, rope scaling and norm epsilon are left out: fine-tuning may change them on purpose.
+"""
+
+from megatron.training.errors import UserError
+
+# args attribute -> how the user sets it (validate_args fills the defaults: ffn size, kv channels, groups)
+MODEL_FLAGS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "max_position_embeddings": "--max-position-embeddings",
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "swiglu": "--swiglu",
+    "add_bias_linear": "linear biases (--disable-bias-linear turns them off)",
+    "add_qkv_bias": "--add-qkv-bias",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+}
+
+
+def model_args(args):
+    return {name: getattr(args, name) for name in MODEL_FLAGS}
+
+
+def check_model_args(saved, args, directory):
+    """A UserError naming every model flag whose value differs from the checkpoint's (None: not recorded)."""
+    if saved is None:
+        return  # saved before checkpoints recorded their model
+    differing = [f"{MODEL_FLAGS[name]} {_shown(value)} there, {_shown(getattr(args, name))} here"
+                 for name, value in saved.items() if name in MODEL_FLAGS and value != getattr(args, name)]
+    if differing:
+        raise UserError(f"--load: {directory} holds another model: {'; '.join(differing)}; launch with the "
+                        f"model flags it was saved with")
+
+
+def _shown(value):
+    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
