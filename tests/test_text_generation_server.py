@@ -400,19 +400,19 @@ def test_a_bad_flag_is_one_line_and_exit_code_2():
         "run_text_generation_server.py: error: --ws-port 99999: a port is 0..65535"
 
 
-@pytest.mark.parametrize("where", ["missing", "empty"])
-def test_a_load_without_a_checkpoint_is_refused_not_served_as_random_weights(tmp_path, where):
+@pytest.mark.parametrize("tool, where", [("tools/run_text_generation_server.py", "missing"),
+                                         ("tools/checkpoint/generate_greedy.py", "empty")])
+def test_a_load_without_a_checkpoint_is_refused_not_served_as_random_weights(tmp_path, tool, where):
     """A mistyped --load used to print "training from scratch" and serve the seeded random initialization."""
     load = tmp_path / "checkpoints"
     if where == "empty":
         load.mkdir()
-    for tool, extra in (("tools/run_text_generation_server.py", []),
-                        ("tools/checkpoint/generate_greedy.py", ["--prompts-json", "[]", "--output", tmp_path / "o"])):
-        result = run_script(tool, TINY_SERVER + extra + ["--load", load])
-        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
-        last = result.stderr.strip().splitlines()[-1]
-        reason = "no such directory" if where == "missing" else "no checkpoint there"
-        assert last.startswith(f"{Path(tool).name}: error: --load {load}: {reason}"), last
+    extra = ["--prompts-json", "[]", "--output", tmp_path / "o"] if "greedy" in tool else []
+    result = run_script(tool, TINY_SERVER + extra + ["--load", load])
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    reason = "no such directory" if where == "missing" else "no checkpoint there"
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"{Path(tool).name}: error: --load {load}: {reason}"), last
 
 
 def test_the_page_build_is_served_at_the_root_when_there_is_one(server):
