@@ -26,7 +26,7 @@ def llama(tmp_path_factory):
     _convert(root / "hf", root / "megatron")
     server = GenerationServer(0, [], command=[
         "bash", str(REPO / "examples/inference/llama_mistral/run_text_generation_llama3.sh"),
-        str(root / "megatron"), str(root / "megatron" / "hf"), "--seq-length", "64", "--port", "0", "--ws-port", "0"],
+        str(root / "megatron"), str(root / "megatron" / "hf"), "--port", "0", "--ws-port", "0"],  # as documented
         env={"DEVICE": "cpu", "MASTER_PORT": str(free_port()), "PYTHON": sys.executable})
     yield model, server
     server.stop()

@@ -19,8 +19,10 @@ from megatron.training.model_setup import build_model
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_args import validate_args
 
-# Flags pretrain_gpt.py requires that generation does not use (the command line overrides them).
-_TRAINING_ONLY = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data"]
+# Flags pretrain_gpt.py requires that generation does not use (the command line overrides them). Generation
+# serves up to --max-position-embeddings positions; --seq-length 0 stands for "not given" (a converted
+# checkpoint's model_args.txt has none).
+_TRAINING_ONLY = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data", "--seq-length", "0"]
 
 
 def _no_cuda_graphs(args):
@@ -52,6 +54,10 @@ def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, c
     # beside --mock-data) mean nothing here: its model flags can be pasted as they are.
     args.lr_warmup_iters, args.lr_warmup_fraction, args.lr_decay_iters = 0, None, None
     args.data_path = None
+    if args.seq_length == 0:
+        if args.max_position_embeddings is None:
+            raise ArgumentError("give --max-position-embeddings (or --seq-length): the positions the model serves")
+        args.seq_length = args.max_position_embeddings
     _no_cuda_graphs(args)
     validate_args(args)
     if check_args is not None:
