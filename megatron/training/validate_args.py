@@ -47,9 +47,9 @@ def _validate_layout(args, world_size):
 
 def _validate_uneven_stages(args, pp):
     """Megatron-LM's uneven split: the first and/or last stage get the layers given, the others the rest."""
-    given = {flag: value for flag, value in (("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
-                                             ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers))
-             if value is not None}
+    ends = (("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+            ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers))
+    given = {flag: value for flag, value in ends if value is not None}
     flags = " and ".join(given)
     _require(pp > 1, f"{flags} needs --pipeline-model-parallel-size > 1")
     _require(args.num_layers_per_virtual_pipeline_stage is None,

@@ -56,6 +56,8 @@ def parse(argv):
                             + ", ".join(f"--loader {a} --saver {b}" for a, b in CONVERSIONS))
     if options.target_tensor_parallel_size < 1 or options.target_pipeline_parallel_size < 1:
         raise ArgumentError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1")
+    if options.make_vocab_size_divisible_by < 1:
+        raise ArgumentError(f"--make-vocab-size-divisible-by must be >= 1, got {options.make_vocab_size_divisible_by}")
     if options.loader == "llama_mistral" and options.tokenizer_model is None:
         options.tokenizer_model = options.load_dir
     if not os.path.isdir(options.load_dir):

@@ -21,7 +21,7 @@ from llama_config import check_layout, llama_shape, read_config
 from megatron.training.checkpoint_model import model_args
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 from megatron.training.errors import UserError
-from output_dir import copy_hf_side_files, written_atomically
+from output_dir import check_tokenizer, copy_hf_side_files, written_atomically
 from shard_reader import ShardReader
 from streaming_save import StreamingTorchDistSaveStrategy, placeholder
 
@@ -127,8 +127,7 @@ def convert(options):
     tp, pp = options.target_tensor_parallel_size, options.target_pipeline_parallel_size
     check_layout(shape, tp, pp)
     files = shard_files(options.load_dir)
-    if not os.path.exists(options.tokenizer_model):
-        raise UserError(f"--tokenizer-model {options.tokenizer_model} does not exist")
+    check_tokenizer(options.tokenizer_model)
     padded_vocab_size = shape.padded_vocab_size(options.make_vocab_size_divisible_by, tp)
     dtype_flags = ["--bf16"] if options.bf16 else ["--fp16"] if options.fp16 else []
     with written_atomically(options.save_dir) as work_dir:

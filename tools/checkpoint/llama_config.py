@@ -6,6 +6,7 @@ biases except Qwen2's on Q/K/V. What megatron-core cannot compute the same way i
 """
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -80,7 +81,10 @@ def _rope(config, path):
         if rope.get(name, value) != value:
             raise UserError(f"{path}: llama3 rope scaling with {name} {rope[name]} is not supported "
                             f"(megatron-core fixes it at {value})")
-    return base, float(rope["factor"])
+    factor = rope.get("factor")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
+        raise UserError(f"{path}: llama3 rope scaling needs a positive factor, got {factor!r}")
+    return base, float(factor)
 
 
 def _refuse_sliding_window(config, architecture, path):
@@ -94,9 +98,24 @@ def _refuse_sliding_window(config, architecture, path):
                         f"{positions}) is not supported: the converted model would attend beyond the window")
 
 
+def _count(config, path, key, default=None):
+    """A positive integer entry of config.json (``default`` where it is absent or null)."""
+    value = config.get(key)
+    if value is None and default is not None:
+        return default
+    if value is None:
+        raise UserError(f"{path}: {key} is missing")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
 def llama_shape(config, path):
     """The model config.json describes, or a UserError naming what is not supported."""
-    architecture = (config.get("architectures") or ["(none named)"])[0]
+    names = config.get("architectures") or ["(none named)"]
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise UserError(f"{path}: architectures must be a list of names, like [\"LlamaForCausalLM\"]; got {names!r}")
+    architecture = names[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise UserError(f"{path}: architecture {architecture} is not supported; "
                         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -106,17 +125,18 @@ def llama_shape(config, path):
     base, scaling = _rope(config, path)
     if base != int(base):
         raise UserError(f"{path}: rope_theta {base} is not an integer (--rotary-base takes integers)")
-    heads = config["num_attention_heads"]
+    count = functools.partial(_count, config, path)
+    heads, hidden = count("num_attention_heads"), count("hidden_size")
     return LlamaShape(
         architecture=architecture,
-        num_layers=config["num_hidden_layers"],
-        hidden_size=config["hidden_size"],
-        ffn_hidden_size=config["intermediate_size"],
+        num_layers=count("num_hidden_layers"),
+        hidden_size=hidden,
+        ffn_hidden_size=count("intermediate_size"),
         num_attention_heads=heads,
-        num_query_groups=config.get("num_key_value_heads") or heads,
-        kv_channels=config.get("head_dim") or config["hidden_size"] // heads,
-        vocab_size=config["vocab_size"],
-        max_position_embeddings=config["max_position_embeddings"],
+        num_query_groups=count("num_key_value_heads", default=heads),
+        kv_channels=count("head_dim", default=hidden // heads),
+        vocab_size=count("vocab_size"),
+        max_position_embeddings=count("max_position_embeddings"),
         norm_epsilon=config.get("rms_norm_eps", 1e-6),
         rotary_base=int(base),
         rope_scaling_factor=scaling,

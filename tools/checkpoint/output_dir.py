@@ -47,6 +47,20 @@ def _umask():
     return mask
 
 
+# What HuggingFaceTokenizer (transformers' AutoTokenizer) loads a tokenizer from: one of these in a folder.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def check_tokenizer(source):
+    """--tokenizer-model: a tokenizer file, or a folder holding one (not found, the converted checkpoint would
+    fail only when it is loaded)."""
+    if not os.path.exists(source):
+        raise UserError(f"--tokenizer-model {source} does not exist")
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f)) for f in TOKENIZER_FILES):
+        raise UserError(f"--tokenizer-model {source}: no tokenizer there (none of {', '.join(TOKENIZER_FILES)}); "
+                        f"give the folder of the model's tokenizer with --tokenizer-model")
+
+
 def copy_hf_side_files(source, destination):
     """Copy the tokenizer (a folder's known files, or the one file named) into ``destination``."""
     os.makedirs(destination, exist_ok=True)
