@@ -9,6 +9,7 @@
 #   fallback_and_stall  a copy of the repository without the CUDA IPC module starts PP2 on GPUs 2,3 (it must stop
 #                       at start-up with one line saying how to build it), beside PP2 with --dpp-timeout 10 on
 #                       GPUs 0,1 whose stage 1 is stopped (SIGSTOP) after iteration 3: the job must end naming it
+#   fallback, stall     either half of fallback_and_stall alone
 #   trace               GPT 1.3B at PP4 traced (--trace) with scripts/gpu_load.py on GPU 2; tools/aggregate.py -d on
 #                       its traces
 #   speed               GPT 1.3B bf16 side by side (bench/dpp_side_by_side.py --predict: the simulator's prediction
