@@ -19,6 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.utils import get_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,13 +38,13 @@ def main():
     parser.add_argument("--prediction-forward-ms", type=float, default=None)
     parser.add_argument("--prediction-slow-stage", type=int, default=None)
     ours, megatron_argv = parser.parse_known_args()
-    if ours.predict and STATIC not in ours.schedules.split(","):
+    specs = ours.schedules.split(",")
+    if ours.predict and STATIC not in specs:
         parser.error("--predict needs the static schedule among --schedules (the prediction is solved from it)")
     if (ours.prediction_slow_stage is None) != (ours.prediction_forward_ms is None):
         parser.error("--prediction-slow-stage and --prediction-forward-ms go together (the healthy run's forward)")
     entry = importlib.import_module(ours.entry)
     job = setup(megatron_argv, entry)
-    specs = ours.schedules.split(",")
     seconds = {spec: [] for spec in specs}
     peaks = dict.fromkeys(specs, 0)  # this rank's peak GPU memory under each schedule (0 on CPU)
     for _ in range(ours.rounds):
@@ -53,14 +55,17 @@ def main():
     stage_peaks = per_stage_peaks(peaks, job.args.pipeline_model_parallel_size)
     if dist.get_rank() == 0:
         medians = {spec: statistics.median(values) * 1000 for spec, values in seconds.items()}
-        print_table(medians, stage_peaks, prediction(ours, job.args, medians) if ours.predict else None)
+        print_table(medians, stage_peaks, prediction(ours, job, medians) if ours.predict else None)
     dist.barrier()
 
 
-def prediction(ours, args, medians):
-    chunks = args.virtual_pipeline_model_parallel_size or 1
-    found = predict(args, chunks, get_num_microbatches(), medians[STATIC], ours.prediction_forward_ms,
-                    ours.prediction_slow_stage)
+def prediction(ours, job, medians):
+    args, config = job.args, get_model_config(job.trainer.model[0])
+    stage_layers = [get_num_layers_to_build(config, pp_rank=r) for r in range(args.pipeline_model_parallel_size)]
+    link_delay = None if args.dpp_delay_link is None else (args.dpp_delay_link, args.dpp_delay_ms,
+                                                            args.dpp_delay_probability)
+    found = predict(stage_layers, args.virtual_pipeline_model_parallel_size or 1, get_num_microbatches(),
+                    medians[STATIC], link_delay, ours.prediction_forward_ms, ours.prediction_slow_stage)
     print(f"simulator: forward_ms={found.forward_ms:.3f} stage scale "
           + " / ".join(f"{s:.2f}" for s in found.stage_scale)
           + f"; no schedule beats {found.bound_ms:.1f} ms (the busiest stage's own compute)")

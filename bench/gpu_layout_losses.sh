@@ -11,12 +11,12 @@ cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
 OUTDIR=$RESULTS/layout_losses
 mkdir -p "$OUTDIR"
+ITERATIONS=8
 COMMON=("${MODEL[@]}" --hidden-dropout 0 --attention-dropout 0 --use-cpu-initialization --micro-batch-size 2
-        --global-batch-size 16 --train-iters 8 --lr-warmup-iters 1 --log-interval 1)
+        --global-batch-size 16 --train-iters "$ITERATIONS" --lr-warmup-iters 1 --log-interval 1)
 declare -A LAYOUT=([dp2]="" [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
                    [pp2]="--pipeline-model-parallel-size 2"
                    [pp2_vp]="--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6")
-ITERATIONS=8
 
 launch() {  # name, gpus, port, flags...: runs the job, then says how long it took to exit after its last iteration
     local name=$1 gpus=$2 port=$3; shift 3
@@ -31,15 +31,22 @@ launch() {  # name, gpus, port, flags...: runs the job, then says how long it to
         pkill -f -- "--master-port $port" ; echo "$name: did not exit ${EXIT_WAIT:-60} s after its last iteration"
     fi
     wait "$job"
-    echo "$name: exit $?, $((SECONDS - last)) s from the last iteration to exit; $(grep -m1 -oE 'CUDA graphs[^;|]*' "$log")"
+    echo "$name: exit $?, $((SECONDS - last)) s from the last iteration to exit;" \
+         "$(grep -m1 -oE 'CUDA graphs[^;|]*' "$log")"
 }
 
-launch single 0 29600
 runs=()  # name and flags, run two at a time (GPUs 0,1 and 2,3)
 for layout in ${CHECK_LAYOUTS:-dp2 tp2_sp pp2 pp2_vp}; do
-    [[ " ${MODES:-eager graphs} " == *" eager "* ]] && runs+=("$layout|${LAYOUT[$layout]} --cuda-graph-impl none")
-    [[ " ${MODES:-eager graphs} " == *" graphs "* ]] && runs+=("${layout}_graphs|${LAYOUT[$layout]} --cuda-graph-impl local")
+    [[ -v LAYOUT[$layout] ]] || { echo "CHECK_LAYOUTS: $layout is none of ${!LAYOUT[*]}" >&2; exit 2; }
+    for mode in ${MODES:-eager graphs}; do
+        case $mode in
+            eager) runs+=("$layout|${LAYOUT[$layout]} --cuda-graph-impl none") ;;
+            graphs) runs+=("${layout}_graphs|${LAYOUT[$layout]} --cuda-graph-impl local") ;;
+            *) echo "MODES: $mode is neither eager nor graphs" >&2; exit 2 ;;
+        esac
+    done
 done
+launch single 0 29600
 names=()
 for ((i = 0; i < ${#runs[@]}; i += 2)); do
     for slot in 0 1; do

@@ -16,7 +16,8 @@
 #                       beside each): PP4 (1F1B vs DPP) healthy, with a slow link, with uneven stages (9/6/6/6
 #                       layers) and with GPU 2 under load; PP2 with a virtual pipeline on GPUs 0,1 and 2,3
 #                       (interleaved 1F1B vs DPP), healthy and with a slow link
-# Stress, fallback and stall: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual pipeline), 8 microbatches.
+# Stress, fallback and stall: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual
+# pipeline), 8 microbatches.
 # Needs megatron-core importable and the transport built in place (python3 setup.py build_ext --inplace).
 #   bash bench/gpu_megadpp.sh [phase ...]        outputs under ${RESULTS:-bench_results}
 set -uo pipefail
@@ -69,7 +70,8 @@ phase_stress() {
 
 phase_fallback() {
     local copy=/tmp/megadpp_without_cuda_ipc
-    rm -rf "$copy" && mkdir -p "$copy" && cp -r pretrain_gpt.py datasets megatron megadpp megascan megafbd megascope "$copy"/
+    rm -rf "$copy" && mkdir -p "$copy"
+    cp -r pretrain_gpt.py datasets megatron megadpp megascan megafbd megascope "$copy"/
     rm -f "$copy"/megadpp/transport/_cuda_ipc*.so
     (cd "$copy" && CUDA_VISIBLE_DEVICES=2,3 timeout 300 torchrun --nproc_per_node 2 --master-port 29520 pretrain_gpt.py \
         "${JOB[@]}" --train-iters 6 --log-interval 1 ${STRESS_LAYOUTS[pp2]}) > "$RESULTS/fallback_unbuilt.log" 2>&1
@@ -119,7 +121,8 @@ phase_trace() {
 }
 
 phase_speed() {
-    local pp4=(--pipeline-model-parallel-size 4) vp=(--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6)
+    local pp4=(--pipeline-model-parallel-size 4)
+    local vp=(--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6)
     local delay=(--dpp-delay-ms 20 --dpp-delay-probability 0.3)
     side() {  # name, gpus, port, flags...
         local name=$1 gpus=$2 port=$3; shift 3

@@ -31,25 +31,15 @@ class Prediction:
     bound_ms: float  # the busiest stage's own compute: no schedule of these costs finishes sooner
 
 
-def layers_per_stage(args):
-    """The decoder layers of each pipeline rank, Megatron-LM's uneven split included."""
-    pp = args.pipeline_model_parallel_size
-    ends = {0: args.decoder_first_pipeline_num_layers, pp - 1: args.decoder_last_pipeline_num_layers}
-    given = {stage: layers for stage, layers in ends.items() if layers is not None}
-    middle = pp - len(given)
-    each = (args.num_layers - sum(given.values())) // middle if middle else 0
-    return [given.get(stage, each) for stage in range(pp)]
-
-
 class _Pipeline:
-    def __init__(self, args, chunks, microbatches):
-        self.stages, self.chunks, self.microbatches = args.pipeline_model_parallel_size, chunks, microbatches
+    def __init__(self, stages, chunks, microbatches, link_delay):
+        self.stages, self.chunks, self.microbatches = stages, chunks, microbatches
         self.link = {}
-        if args.dpp_delay_link is not None:
-            self.link = dict(straggler_link=args.dpp_delay_link, straggler_ms=args.dpp_delay_ms,
-                             straggler_probability=args.dpp_delay_probability)
-        self.orders = {r: static_order(r, self.stages, chunks, microbatches) for r in range(self.stages)}
-        self.caps = default_caps(self.stages, chunks, microbatches, self.stages)
+        if link_delay is not None:
+            stage, ms, probability = link_delay
+            self.link = dict(straggler_link=stage, straggler_ms=ms, straggler_probability=probability)
+        self.orders = {r: static_order(r, stages, chunks, microbatches) for r in range(stages)}
+        self.caps = default_caps(stages, chunks, microbatches, stages)
 
     def makespan(self, forward_ms, stage_scale, policy=None):
         spans = []
@@ -70,22 +60,20 @@ def _solve(makespan_of, target_ms, low, high):
     return (low + high) / 2
 
 
-def predict(args, chunks, microbatches, static_ms, forward_ms=None, slow_stage=None):
-    pipeline = _Pipeline(args, chunks, microbatches)
-    layers = layers_per_stage(args)
-    mean = statistics.mean(layers)
-    scale = [n / mean for n in layers]
+def predict(stage_layers, chunks, microbatches, static_ms, link_delay=None, forward_ms=None, slow_stage=None):
+    """``stage_layers``: the decoder layers of each pipeline rank; ``link_delay``: (sending stage, ms,
+    probability) of --dpp-delay-link, or None; ``forward_ms`` with ``slow_stage``: see the module's text."""
+    pipeline = _Pipeline(len(stage_layers), chunks, microbatches, link_delay)
+    mean = statistics.mean(stage_layers)
+    layer_scale = tuple(n / mean for n in stage_layers)
     if slow_stage is None:
-        forward_ms = _solve(lambda f: pipeline.makespan(f, tuple(scale)), static_ms, 1e-3, static_ms)
+        scale = layer_scale
+        forward_ms = _solve(lambda f: pipeline.makespan(f, scale), static_ms, 1e-3, static_ms)
     else:
-        if forward_ms is None:
-            raise ValueError("a slow stage's prediction needs forward_ms from a healthy run of the same job")
-
         def slowed(factor):
-            return tuple(s * factor if stage == slow_stage else s for stage, s in enumerate(scale))
+            return tuple(s * factor if stage == slow_stage else s for stage, s in enumerate(layer_scale))
 
-        scale = list(slowed(_solve(lambda k: pipeline.makespan(forward_ms, slowed(k)), static_ms, 1.0, 100.0)))
-    scale = tuple(scale)
+        scale = slowed(_solve(lambda k: pipeline.makespan(forward_ms, slowed(k)), static_ms, 1.0, 100.0))
     busiest = microbatches * forward_ms * (1 + CostModel().backward_ratio) * max(scale)
     return Prediction(forward_ms, scale, pipeline.makespan(forward_ms, scale),
                       {policy: pipeline.makespan(forward_ms, scale, policy) for policy in POLICIES}, busiest)

@@ -3,8 +3,9 @@ fixed orders, DPP asks the same policy code the runtime asks (megadpp/policy.py)
 becomes free. bench/dpp_simulate.py drives it.
 
 Cost model: a chunk's forward takes ``forward_ms / chunks`` on its rank (backward ``backward_ratio`` times
-that; ``stage_scale``, one factor per pipeline rank, makes stages uneven: more layers, a slower GPU), every transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay in [0, jitter_ms) to every
-compute; one straggler stage adds ``straggler_ms`` to a forward there (as --dpp-delay-stage does) with probability
+that; ``stage_scale``, one factor per pipeline rank, makes stages uneven: more layers, a slower GPU), every
+transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay in [0, jitter_ms) to every compute; one
+straggler stage adds ``straggler_ms`` to a forward there (as --dpp-delay-stage does) with probability
 ``straggler_probability``, one straggler link the same to transfers leaving that stage. Random draws
 depend only on (seed, what, stage, microbatch), so every schedule meets the same delays.
 DPP's sends never block a rank (its transport is asynchronous). megatron-core's static schedules wait for

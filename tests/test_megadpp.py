@@ -2,7 +2,6 @@
 runtime runs) never deadlock, whatever the delays, layout and activation cap, and always produce valid
 torch.distributed.pipelining schedules; the flags refuse bad combinations in one line."""
 
-import argparse
 import concurrent.futures
 import itertools
 import os
@@ -72,25 +71,19 @@ def test_late_input_makes_the_rank_deviate(policy):
     assert result.makespan_ms < simulate(stages, chunks, microbatches, cost, static_orders=static).makespan_ms
 
 
-def _job(**overrides):
-    flags = dict(pipeline_model_parallel_size=4, num_layers=16, decoder_first_pipeline_num_layers=None,
-                 decoder_last_pipeline_num_layers=None, dpp_delay_link=None, dpp_delay_ms=20.0,
-                 dpp_delay_probability=0.3)
-    return argparse.Namespace(**{**flags, **overrides})
-
-
 def test_prediction_matches_the_measured_static_time_and_models_the_job():
     """bench/dpp_side_by_side.py --predict: the solved cost reproduces the measured static time; a slow link
     is predicted to favour DPP; uneven stages get their layers' share; a loaded GPU its solved slow-down."""
-    healthy = predict(_job(), 1, 16, static_ms=500.0)
+    even = [4, 4, 4, 4]
+    healthy = predict(even, 1, 16, static_ms=500.0)
     assert healthy.static_ms == pytest.approx(500.0, rel=1e-3) and healthy.stage_scale == (1, 1, 1, 1)
-    link = predict(_job(dpp_delay_link=1), 2, 16, static_ms=900.0)
+    link = predict(even, 2, 16, static_ms=900.0, link_delay=(1, 20.0, 0.3))
     assert link.static_ms == pytest.approx(900.0, rel=1e-3)
     assert all(ms < 0.9 * link.static_ms for ms in link.dpp_ms.values())
-    uneven = predict(_job(num_layers=27, decoder_first_pipeline_num_layers=9), 1, 16, static_ms=600.0)
+    uneven = predict([9, 6, 6, 6], 1, 16, static_ms=600.0)
     assert uneven.stage_scale == pytest.approx((9 / 6.75, 6 / 6.75, 6 / 6.75, 6 / 6.75))
     assert 0.85 * uneven.static_ms < uneven.bound_ms < min(uneven.dpp_ms.values())
-    loaded = predict(_job(), 1, 16, static_ms=700.0, forward_ms=healthy.forward_ms, slow_stage=2)
+    loaded = predict(even, 1, 16, static_ms=700.0, forward_ms=healthy.forward_ms, slow_stage=2)
     assert loaded.forward_ms == healthy.forward_ms and loaded.stage_scale[2] > 1.2
     assert loaded.stage_scale[:2] == (1, 1) and loaded.static_ms == pytest.approx(700.0, rel=1e-3)
 

@@ -37,13 +37,12 @@ def _no_cuda_graphs(args):
 def _require_checkpoint(load):
     if load is None:
         return
+    remedy = ("give the directory a training run saved into (--save), or drop --load to generate from the "
+              "seeded random initialization")
     if not os.path.isdir(load):
-        raise UserError(f"--load {load}: no such directory; give the directory a training run saved into "
-                        f"(--save), or drop --load to generate from the seeded random initialization")
+        raise UserError(f"--load {load}: no such directory; {remedy}")
     if read_tracker(load) is None:
-        raise UserError(f"--load {load}: no checkpoint there ({TRACKER_FILENAME} not found); give the directory "
-                        f"a training run saved into (--save), or drop --load to generate from the seeded random "
-                        f"initialization")
+        raise UserError(f"--load {load}: no checkpoint there ({TRACKER_FILENAME} not found); {remedy}")
 
 
 def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, check_args=None):

@@ -42,4 +42,4 @@ def check_model_args(saved, args, directory):
 
 
 def _shown(value):
-    return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
+    return ("on" if value else "off") if isinstance(value, bool) else value
