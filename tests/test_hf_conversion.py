@@ -12,12 +12,12 @@ import pytest
 import torch
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from safetensors.torch import load_file
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM)
 
 from megatron.training.tokenizer.build import vocab_size_with_padding
 
+from hf_tokenizer import write_word_tokenizer
 from launch import assert_succeeded, lm_losses, run_script, torchrun
 
 VOCAB = 300  # not a multiple of 128: the converted embedding carries padding rows
@@ -38,21 +38,13 @@ NEW_TOKENS = 16
 CONVERT = "tools/checkpoint/convert.py"
 
 
-def _word_tokenizer(directory):
-    """A word-level tokenizer over w0..w299, so that "w5 w17" is exactly the ids [5, 17]."""
-    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "w2"}))
-
-
 def _hf_model(directory, family, seed):
     config_class, model_class, extra = family
     torch.manual_seed(seed)
     model = model_class(config_class(**{**SHAPE, **extra}, architectures=[model_class.__name__])).eval()
     model.save_pretrained(directory, max_shard_size="100KB")  # several shards
     assert len(glob.glob(str(directory / "*.safetensors"))) > 2
-    _word_tokenizer(directory)
+    write_word_tokenizer(directory, VOCAB)
     return model
 
 

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_tokenizer import write_word_tokenizer
 from launch import assert_succeeded, run_script
 
 SHARD_MB = 40
@@ -65,6 +66,7 @@ def large_model(tmp_path_factory):
                          num_key_value_heads=4, vocab_size=63990, max_position_embeddings=256,
                          tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
     LlamaForCausalLM(config).save_pretrained(root / "hf", max_shard_size=f"{SHARD_MB}MB")
+    write_word_tokenizer(root / "hf", config.vocab_size)
     sizes = _tensor_bytes(root / "hf")
     largest = _largest_file(root / "hf")
     with safe_open(str(largest), framework="pt") as shard:  # the embedding's or the output layer's
