@@ -103,35 +103,56 @@ class _ClockFit:
 
 
 class _WindowFit:
-    """The finishes of one window, grouped by member set, and the weighted least-squares fit on them."""
+    """The finishes of one window, one entry per member finish, and the weighted least-squares fit on them.
+
+    The normal equations are never formed: a collective over every rank (the grad-norm all-reduce) makes
+    them dense, which costs memory quadratic and a direct solve cubic in the ranks (8192 ranks: 16,384
+    unknowns). Conjugate gradients apply them entry by entry instead, linear in the finishes."""
 
     def __init__(self, instances, ranks):
         self.index = {rank: i for i, rank in enumerate(ranks)}
-        by_members = {}
+        members, values, counts = [], [], []
         for ends in instances:
-            members = tuple(sorted(ends))
-            by_members.setdefault(members, []).append([ends[rank] for rank in members])
-        self.blocks = [(np.array([self.index[r] for r in members]), np.array(rows, dtype=np.float64))
-                       for members, rows in by_members.items()]
-        medians = [np.median(rows, axis=1) for _, rows in self.blocks]
-        self.centre = float(np.mean(np.concatenate(medians)))
-        self.scale = max(float(np.max(np.abs(np.concatenate(medians) - self.centre))), 1.0)
-        self.taus = [(m - self.centre) / self.scale for m in medians]  # in [-1, 1]: keeps the system conditioned
-        self.weights = [np.ones_like(rows) for _, rows in self.blocks]
+            members.extend(self.index[rank] for rank in ends)
+            values.extend(ends.values())
+            counts.append(len(ends))
+        self.member = np.array(members, dtype=np.int64)
+        self.value = np.array(values, dtype=np.float64)
+        self.row = np.repeat(np.arange(len(counts)), counts)
+        medians = self._row_medians(np.array(counts))
+        self.centre = float(np.mean(medians))
+        self.scale = max(float(np.max(np.abs(medians - self.centre))), 1.0)
+        self.tau = ((medians - self.centre) / self.scale)[self.row]  # in [-1, 1]: keeps the system conditioned
+        self.weight = np.ones_like(self.value)
 
-    def _normal_equations(self, size):
-        n, b = np.zeros((2 * size, 2 * size)), np.zeros(2 * size)
-        for (members, rows), tau, weights in zip(self.blocks, self.taus, self.weights):
-            total = weights.sum(axis=1)
-            deviation = rows - (weights * rows).sum(axis=1, keepdims=True) / total[:, None]
-            for i, left in enumerate((1.0, tau)):
-                for j, right in enumerate((1.0, tau)):
-                    scale = np.broadcast_to(np.asarray(left * right, dtype=np.float64), tau.shape)
-                    block = np.diag((scale[:, None] * weights).sum(axis=0)) - weights.T @ (weights * (scale / total)[:, None])
-                    n[np.ix_(members + i * size, members + j * size)] += block
-                b[members + i * size] += (np.broadcast_to(np.asarray(left, dtype=np.float64), tau.shape)[:, None]
-                                          * weights * deviation).sum(axis=0)
-        return n, b
+    def _row_medians(self, counts):
+        """Each instance's median finish: its finishes sorted, the middle one (or two)."""
+        ordered = self.value[np.lexsort((self.value, self.row))]
+        first = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        return (ordered[first + (counts - 1) // 2] + ordered[first + counts // 2]) / 2
+
+    def _centred(self, values):
+        """``values`` less the weighted mean of their instance's entries."""
+        rows = self.row[-1] + 1 if len(self.row) else 0
+        total = np.bincount(self.row, self.weight, rows)
+        return values - (np.bincount(self.row, self.weight * values, rows) / total)[self.row]
+
+    def _by_rank(self, values):
+        size = len(self.index)
+        return np.bincount(self.member, values, size), np.bincount(self.member, self.tau * values, size)
+
+    def _apply(self, offsets, drifts):
+        """The normal matrix times (offsets, drifts): each finish's shift from its instance's weighted mean,
+        weighted, summed per rank (and per rank times tau)."""
+        return self._by_rank(self.weight * self._centred(offsets[self.member] + self.tau * drifts[self.member]))
+
+    def _rank_blocks(self):
+        """Per rank, the normal matrix's own 2 x 2 block (offset, drift): (offset-offset, offset-drift,
+        drift-drift). Inverted, it preconditions the gradients: a rank's offset and drift move together."""
+        rows = self.row[-1] + 1 if len(self.row) else 0
+        own = self.weight - self.weight ** 2 / np.bincount(self.row, self.weight, rows)[self.row]
+        size = len(self.index)
+        return tuple(np.bincount(self.member, factor * own, size) for factor in (1.0, self.tau, self.tau ** 2))
 
     def solve(self, free, drift=None):
         """(offsets, drifts in scaled units) of all ranks; gauge ranks 0. ``drift`` given: offsets only."""
@@ -139,49 +160,83 @@ class _WindowFit:
         offsets, drifts = np.zeros(size), np.zeros(size) if drift is None else drift.copy()
         if not len(free):
             return offsets, drifts
-        n, b = self._normal_equations(size)
+        rhs_offsets, rhs_drifts = self._by_rank(self.weight * self._centred(self.value))
+        blocks = [block[free] for block in self._rank_blocks()]
+        count = len(free)
         if drift is None:
-            chosen = np.concatenate([free, free + size])
-            system = n[np.ix_(chosen, chosen)]
-            # A rank whose finishes in this window all fall at one moment has no slope to fit: a whisker of
-            # ridge on the drifts keeps the system solvable and its drift at zero.
-            system[len(free):, len(free):] += _DRIFT_RIDGE * np.eye(len(free))
-            solution = np.linalg.solve(system, b[chosen])
-            offsets[free], drifts[free] = solution[:len(free)], solution[len(free):]
+            def apply(x):
+                offsets[free], drifts[free] = x[:count], x[count:]
+                product = self._apply(offsets, drifts)
+                # A rank whose finishes in this window all fall at one moment has no slope to fit: a whisker of
+                # ridge on the drifts keeps the system solvable and its drift at zero.
+                return np.concatenate([product[0][free], product[1][free] + _DRIFT_RIDGE * x[count:]])
+
+            offset_offset, offset_drift, drift_drift = blocks[0], blocks[1], blocks[2] + _DRIFT_RIDGE
+            determinant = offset_offset * drift_drift - offset_drift ** 2
+
+            def precondition(r):
+                return np.concatenate([(drift_drift * r[:count] - offset_drift * r[count:]) / determinant,
+                                       (offset_offset * r[count:] - offset_drift * r[:count]) / determinant])
+            solution = _conjugate_gradients(apply, np.concatenate([rhs_offsets[free], rhs_drifts[free]]), precondition)
+            offsets[free], drifts[free] = solution[:count], solution[count:]
         else:
-            rhs = b[:size] - n[:size, size:] @ drifts
-            offsets[free] = np.linalg.solve(n[np.ix_(free, free)], rhs[free])
+            rhs = rhs_offsets - self._apply(np.zeros(size), drifts)[0]
+            fixed = np.zeros(size)
+
+            def apply(x):
+                offsets[free] = x
+                return self._apply(offsets, fixed)[0][free]
+            offsets[free] = _conjugate_gradients(apply, rhs[free], lambda r: r / blocks[0])
         return offsets, drifts
 
     def residuals(self, offsets, drifts):
-        """Per block: each finish's misfit once the instance's own global finish is taken out."""
-        result = []
-        for (members, rows), tau, weights in zip(self.blocks, self.taus, self.weights):
-            shifted = rows - offsets[members] - tau[:, None] * drifts[members]
-            result.append(shifted - (weights * shifted).sum(axis=1, keepdims=True) / weights.sum(axis=1, keepdims=True))
-        return result
+        """Each finish's misfit once its instance's own global finish is taken out."""
+        return self._centred(self.value - offsets[self.member] - self.tau * drifts[self.member])
 
     def reweight(self, residuals):
         """Huber weights from the misfits; True if they changed."""
-        new = [np.minimum(1.0, _HUBER_US / np.maximum(np.abs(r), 1e-12)) for r in residuals]
-        changed = any(not np.allclose(a, b, atol=1e-3) for a, b in zip(new, self.weights))
-        self.weights = new
+        new = np.minimum(1.0, _HUBER_US / np.maximum(np.abs(residuals), 1e-12))
+        changed = not np.allclose(new, self.weight, atol=1e-3)
+        self.weight = new
         return changed
+
+    def misfits_by_rank(self, residuals):
+        """rank index -> |misfit| of each of its finishes."""
+        order = np.argsort(self.member, kind="stable")
+        counts = np.bincount(self.member, minlength=len(self.index))
+        return dict(enumerate(np.split(np.abs(residuals[order]), np.cumsum(counts)[:-1])))
 
     def slopes(self, residuals, drifts):
         """Per rank: (drift estimate, its variance), both in scaled units, from this window's points."""
         size = len(self.index)
-        sums = {name: np.zeros(size) for name in ("n", "t", "tt", "e", "ee")}
-        for (members, _), tau, residual in zip(self.blocks, self.taus, residuals):
-            taus = np.broadcast_to(tau[:, None], residual.shape)
-            for name, values in (("n", np.ones_like(residual)), ("t", taus), ("tt", taus ** 2), ("e", residual),
-                                 ("ee", residual ** 2)):
-                np.add.at(sums[name], np.broadcast_to(members, residual.shape), values)
-        count = np.maximum(sums["n"], 1.0)
-        spread = sums["tt"] - sums["t"] ** 2 / count  # sum of squared deviations of tau
-        noise = np.maximum(np.sqrt(np.maximum(sums["ee"] / count, 0.0)), _NOISE_FLOOR_US)
+        count = np.maximum(np.bincount(self.member, minlength=size), 1.0)
+        taus, squares = np.bincount(self.member, self.tau, size), np.bincount(self.member, self.tau ** 2, size)
+        spread = squares - taus ** 2 / count  # sum of squared deviations of tau
+        mean_square = np.bincount(self.member, residuals ** 2, size) / count
+        noise = np.maximum(np.sqrt(np.maximum(mean_square, 0.0)), _NOISE_FLOOR_US)
         variance = np.where(spread > 0, noise ** 2 / np.maximum(spread, 1e-12), np.inf)
         return drifts, variance
+
+
+def _conjugate_gradients(apply, rhs, precondition, relative_tolerance=1e-13):
+    """x with apply(x) = rhs (symmetric positive definite), preconditioned by ``precondition`` (an approximate
+    inverse); stops at the tolerance, at most a few times the unknowns' count steps."""
+    x = np.zeros_like(rhs)
+    residual = rhs.copy()
+    direction = precondition(residual)
+    product = residual @ direction
+    target = relative_tolerance * np.linalg.norm(rhs)
+    for _ in range(4 * len(rhs) + 10):
+        if np.linalg.norm(residual) <= target:
+            break
+        applied = apply(direction)
+        step = product / (direction @ applied)
+        x += step * direction
+        residual -= step * applied
+        preconditioned = precondition(residual)
+        product, previous = residual @ preconditioned, product
+        direction = preconditioned + (product / previous) * direction
+    return x
 
 
 class ClockAligner:
@@ -234,12 +289,12 @@ class ClockAligner:
         for window, (fit, free, present, _, _) in fits.items():
             scaled = np.array([drift.get(rank, 0.0) * fit.scale for rank in ranks])
             solved, _ = fit.solve(free, scaled)
-            for (members, _), residual in zip(fit.blocks, fit.residuals(solved, scaled)):
-                for column, member in enumerate(members.tolist()):
-                    misfits[ranks[member]].extend(np.abs(residual[:, column]).tolist())
+            for member, misfit in fit.misfits_by_rank(fit.residuals(solved, scaled)).items():
+                misfits[ranks[member]].append(misfit)
             for rank in present:  # ranks cut off from the reference in this window take another window's offset
                 offsets[rank][window] = float(solved[fit.index[rank]]) - drift.get(rank, 0.0) * fit.centre
-        return _ClockFit(drift, offsets, misfits)
+        return _ClockFit(drift, offsets, {rank: np.concatenate(parts) if parts else np.zeros(0)
+                                          for rank, parts in misfits.items()})
 
     def _fit_window(self, instances, ranks, gauge, linked=None):
         """(fit, free rank indices, ranks linked to the reference in it, drifts, their variances) of one window,
