@@ -42,18 +42,14 @@ class CausalityCheck:
     remaining: int = 0  # still backwards after the correction (contradictory traces)
 
 
-def _to_global(clock, record, key):
-    return float(clock.to_global(record[key], record.get("window")))  # a rank's clock is per trace window
-
-
-def _orderings(instances, clocks):
-    """[(earlier rank, its issue, later rank, its completion)] in global microseconds, per transfer and
-    per collective member; collectives as (members' issues, members' completions) for the T nodes."""
+def _orderings(instances, ranks):
+    """[(earlier rank, its issue, later rank, its completion)] in global microseconds (the records' "start"
+    and "end"), per transfer and per collective member of ``ranks``; collectives as (members' issues,
+    members' completions) for the T nodes. Ops only issued (a stalled window's) have neither."""
     transfers, collectives = [], []
     for instance in instances:
-        timed = {rank: (_to_global(clocks[rank], record, "start_us") if record.get("start_us") is not None else None,
-                        _to_global(clocks[rank], record, "end_us") if record.get("end_us") is not None else None)
-                 for rank, record in instance.records.items() if rank in clocks}
+        timed = {rank: (record.get("start"), record.get("end")) for rank, record in instance.records.items()
+                 if rank in ranks and not record.get("issued_only")}
         if instance.kind == "p2p":
             send, recv = timed.get(instance.src, (None, None)), timed.get(instance.dst, (None, None))
             if send[0] is not None and recv[1] is not None:
@@ -137,9 +133,10 @@ def _shifts(edges, ranks, nodes, reference, hops):
     return min(candidates, key=lambda shifts: np.abs(shifts[:ranks]).sum())
 
 
-def causal_clocks(instances, clocks, reference):
+def causal_clocks(instances, clocks, reference, retime):
     """(clocks shifted so that no transfer or collective finish runs backwards where the traces allow,
-    CausalityCheck). ``clocks``: rank -> RankClock from the fit; ranks without one are left out."""
+    CausalityCheck). ``clocks``: rank -> RankClock from the fit, whose global times the records already carry;
+    ranks without one are left out. ``retime(rank, clock)`` puts a shifted rank's times on its new clock."""
     transfers, collectives = _orderings(instances, clocks)
     checked, backwards = _count_backwards(transfers, collectives)
     check = CausalityCheck(checked, backwards, remaining=backwards)
@@ -158,5 +155,6 @@ def causal_clocks(instances, clocks, reference):
             clock = clocks[rank]  # global + shift = (local - offset' - window offset) / rate
             corrected[rank] = dataclasses.replace(clock, offset_us=clock.offset_us - shift * clock.rate)
             check.shifts_us[rank] = shift
+            retime(rank, corrected[rank])
     check.remaining = _count_backwards(*_orderings(instances, corrected))[1]
     return corrected, check

@@ -149,8 +149,11 @@ def load_and_merge(directory):
     for rank, reason in alignment.unaligned.items():
         problems.append(f"rank {rank} ({coords_name(files[rank].coords)}) not aligned, so not merged into "
                         f"the timeline: {reason}")
-    clocks, causality = causal_clocks(instances, alignment.clocks, alignment.reference_rank)
-    ranks = {rank: _rank_trace(files[rank], clock) for rank, clock in sorted(clocks.items())}
+    ranks = {rank: _rank_trace(files[rank], clock) for rank, clock in sorted(alignment.clocks.items())}
+
+    def retime(rank, clock):
+        ranks[rank] = _rank_trace(files[rank], clock)
+    _, causality = causal_clocks(instances, alignment.clocks, alignment.reference_rank, retime)
     return MergedTrace(run_id=loaded.run_id, layout=loaded.layout, ranks=ranks, unaligned=alignment.unaligned,
                        instances=_keep_aligned(instances, ranks), problems=problems,
                        reference_rank=alignment.reference_rank, absent=loaded.absent, causality=causality)
