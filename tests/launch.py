@@ -1,5 +1,6 @@
 """Launch the real entry points as a user would (torchrun, gloo on CPU) and read their logs."""
 
+import json
 import os
 import re
 import signal
@@ -91,6 +92,18 @@ def run_script(script, args, env=None, timeout=120):
     env = {"MASTER_PORT": str(free_port()), **(env or {})}
     return subprocess.run([sys.executable, str(REPO / script), *map(str, args)], cwd=REPO,
                           env=child_env(env), capture_output=True, text=True, timeout=timeout)
+
+
+def run_script_cases(script, cases, timeout=300):
+    """``run_script`` for many (args, env) cases of one script at once: each case in a process forked after
+    the script's imports (tests/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
+    payload = json.dumps([{"args": list(map(str, args)), "env": {"MASTER_PORT": str(free_port()), **(env or {})}}
+                          for args, env in cases])
+    runner = subprocess.run([sys.executable, str(REPO / "tests/fork_runner.py"), str(REPO / script)], cwd=REPO,
+                            env=child_env(), input=payload, capture_output=True, text=True, timeout=timeout)
+    assert runner.returncode == 0, runner.stderr[-5000:]
+    return [subprocess.CompletedProcess([script, *args], result["returncode"], result["stdout"], result["stderr"])
+            for (args, _), result in zip(cases, json.loads(runner.stdout))]
 
 
 _ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")

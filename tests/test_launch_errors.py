@@ -4,7 +4,7 @@ import concurrent.futures
 
 import pytest
 
-from launch import REPO, TINY_GPT, gpt_data_args, run_script, torchrun
+from launch import REPO, TINY_GPT, gpt_data_args, run_script, run_script_cases, torchrun
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
 
@@ -75,10 +75,9 @@ def _run(flags, env):
 
 @pytest.fixture(scope="module")
 def results():
-    # Each run spends seconds importing megatron-core: run them side by side.
-    with concurrent.futures.ThreadPoolExecutor(max_workers=4) as pool:
-        futures = {name: pool.submit(_run, flags, env) for name, (flags, env, _) in CASES.items()}
-        return {name: future.result() for name, future in futures.items()}
+    # Each run would spend seconds importing megatron-core: the runs fork after one import.
+    runs = run_script_cases("pretrain_gpt.py", [(TINY_GPT + flags, env) for flags, env, _ in CASES.values()])
+    return dict(zip(CASES, runs))
 
 
 @pytest.mark.parametrize("case", list(CASES))
