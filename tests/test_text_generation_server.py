@@ -232,8 +232,9 @@ def _early_stop_token(generated):
 
 
 def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(server):
+    capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
     # pca.layer null: one pca message per captured layer (the page's PCA tab switches layers without generating)
-    capture = {"hooks": ["resid_post"], "layers": [1, 3], "pca": {"hook": "resid_post", "layer": None}}
+    every_layer = {**capture, "layers": [1, 3], "pca": {"hook": "resid_post", "layer": None}}
 
     async def client():
         async with websocket(server) as ws:
@@ -241,34 +242,41 @@ def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(ser
             plain = (await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"]
             row, stop = _early_stop_token(plain)
             request = {"type": "generate", "capture": capture, "stop_tokens": [stop], **GREEDY}
-            return row, await generation(ws, request)
-    stopped_row, (messages, frames) = run(client())
-    pcas = [message for message in messages if message["type"] == "pca"]
-    assert [pca["layer"] for pca in pcas] == [1, 2] and messages[-2] is pcas[-1]  # in layer order, then done
+            one_layer = await generation(ws, request)
+            return row, one_layer, (await generation(ws, {**request, "capture": every_layer}))[0]
+    stopped_row, (messages, frames), every_layer_messages = run(client())
+    pca = next(message for message in messages if message["type"] == "pca")
     started, done = messages[0], messages[-1]
     assert done["finish_reason"][stopped_row] == "stop" and done["finish_reason"][1 - stopped_row] == "length"
     texts = [[token["id"] for token in prompt] + generated
              for prompt, generated in zip(started["prompt_tokens"], done["tokens"])]
+    # the vectors streamed for the PCA hook: every token of each prompt exactly once, nothing after its end
+    vectors = {}
+    for header, values in map(decode_data_frame, frames):
+        if header["hook"] == "blocks.2.resid_post":
+            for offset, position in enumerate(range(*header["tokens"])):
+                assert (header["prompt_index"], position) not in vectors
+                vectors[(header["prompt_index"], position)] = values[offset].astype(np.float64)
     real = [(prompt, position) for prompt, text in enumerate(texts) for position in range(len(text))]
-    for pca in pcas:
-        # the vectors streamed for the PCA hook: every token of each prompt exactly once, nothing after its end
-        vectors = {}
-        for header, values in map(decode_data_frame, frames):
-            if header["hook"] == f"blocks.{pca['layer']}.resid_post":
-                for offset, position in enumerate(range(*header["tokens"])):
-                    assert (header["prompt_index"], position) not in vectors
-                    vectors[(header["prompt_index"], position)] = values[offset].astype(np.float64)
-        assert sorted(vectors) == real
-        assert [(point["prompt_index"], point["token_index"]) for point in pca["points"]] == real
-        data = np.stack([vectors[key] for key in real])
-        centred = data - data.mean(axis=0)
-        _, singular, right = np.linalg.svd(centred, full_matrices=False)
-        want = centred @ right[:2].T
-        got = np.array([[point["x"], point["y"]] for point in pca["points"]])
-        got *= np.sign((got * want).sum(axis=0))  # a component's sign is a convention
-        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())  # the wire's float16 values
-        np.testing.assert_allclose(pca["explained_variance"], singular[:2] ** 2 / (singular ** 2).sum(), atol=2e-3)
-        assert pca["explained_variance"][0] >= pca["explained_variance"][1]
+    assert sorted(vectors) == real
+    assert [(point["prompt_index"], point["token_index"]) for point in pca["points"]] == real
+    data = np.stack([vectors[key] for key in real])
+    centred = data - data.mean(axis=0)
+    _, singular, right = np.linalg.svd(centred, full_matrices=False)
+    want = centred @ right[:2].T
+    got = np.array([[point["x"], point["y"]] for point in pca["points"]])
+    got *= np.sign((got * want).sum(axis=0))  # a component's sign is a convention
+    np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())  # the wire's float16 values
+    np.testing.assert_allclose(pca["explained_variance"], singular[:2] ** 2 / (singular ** 2).sum(), atol=2e-3)
+    assert pca["explained_variance"][0] >= pca["explained_variance"][1]
+    # every captured layer: layers 1 and 2 in order, just before generation_done (the server's own vectors,
+    # whatever the small send queue dropped), layer 2 the same projection as when asked alone
+    ordered = [m for m in every_layer_messages if m["type"] in ("pca", "generation_done")]
+    assert [m.get("layer") for m in ordered] == [1, 2, None] and ordered[-1]["tokens"] == done["tokens"]
+    for layer_pca in ordered[:2]:
+        assert [(point["prompt_index"], point["token_index"]) for point in layer_pca["points"]] == real
+    assert ordered[1]["points"] == pca["points"] and ordered[1]["explained_variance"] == pca["explained_variance"]
+    assert ordered[0]["points"] != pca["points"]
 
 
 def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
