@@ -38,7 +38,7 @@ def _range(value, name):
 @dataclass(frozen=True)
 class PcaRequest:
     hook: str
-    layer: int | None
+    layer: int | None  # None: the hook has no layer, or (a per-layer hook) every captured layer
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,8 @@ def _pca(value, hooks):
     if value["hook"] not in hooks:
         raise _bad(f"pca.hook {value['hook']!r} must also be among the captured hooks", "pca.hook")
     layer = value.get("layer")
-    if point.per_layer:
-        layer = _int(layer, "pca.layer")
+    if point.per_layer:  # null: every captured layer, one pca message each
+        layer = None if layer is None else _int(layer, "pca.layer")
     elif layer is not None:
         raise _bad(f"pca.layer must be null for {point.name!r}, which has no layer", "pca.layer")
     return PcaRequest(point.name, layer)

@@ -45,7 +45,7 @@ class ScopeObserver(NoObserver):
         self.session = session
         self.spec = parse_capture(scope["capture"], args.num_layers)
         self.capture = None
-        self.pca_vectors = []  # (prompt_index, token_start, values [tokens, hidden]) of the PCA hook
+        self.pca_vectors = {}  # layer -> [(prompt_index, token_start, values [tokens, hidden])] of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
         self.last_position = {}  # prompt index -> the position of its last token, once it has finished
@@ -119,13 +119,20 @@ class ScopeObserver(NoObserver):
                 if record.token_start + record.values.shape[0] - 1 == lens_positions[record.prompt_index]:
                     lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
                 continue
-            if self.spec.pca is not None and (record.hook, record.layer) == (self.spec.pca.hook, self.spec.pca.layer) \
-                    and str(record.reduction) == "none":
-                self.pca_vectors.append((record.prompt_index, record.token_start, record.values.numpy()))
+            if self._wanted_by_pca(record):
+                self.pca_vectors.setdefault(record.layer, []).append(
+                    (record.prompt_index, record.token_start, record.values.numpy()))
             self.client.send_data(encode_data_frame(record.frame_header(self.id, step), record.values))
         for prompt_index, layers in sorted(lens.items()):
             self.client.send({"type": "logit_lens", "id": self.id, "step": step,
                               "prompt_index": prompt_index, "layers": layers})
+
+    def _wanted_by_pca(self, record):
+        """Whether ``record`` holds vectors of the PCA hook at a layer the PCA covers (pca.layer null: every
+        captured layer of a per-layer hook, so the page can show any of them without generating again)."""
+        pca = self.spec.pca
+        return pca is not None and record.hook == pca.hook and pca.layer in (None, record.layer) \
+            and str(record.reduction) == "none"
 
     def _send_tokens(self, step):
         text = self.session.encoder.token_text
@@ -144,21 +151,10 @@ class ScopeObserver(NoObserver):
                                                 for token, prob in record.values[-1].tolist()]}
 
     def finish(self, generation):
-        """Rank 0, after the last step: the PCA (when asked) and generation_done."""
+        """Rank 0, after the last step: the PCA of each layer asked for (in layer order) and generation_done."""
         detokenize = self.session.encoder.tokenizer.detokenize
-        if self.pca_vectors:
-            self.pca_vectors.sort(key=lambda item: (item[0], item[1]))
-            vectors = np.concatenate([values.reshape(values.shape[0], -1) for _, _, values in self.pca_vectors])
-            coords, ratio = pca_2d(vectors)
-            points, row = [], 0
-            for prompt_index, start, values in self.pca_vectors:
-                for position in range(start, start + values.shape[0]):
-                    points.append({"prompt_index": prompt_index, "token_index": position,
-                                   "text": self.session.encoder.token_text(generation.tokens[prompt_index][position]),
-                                   "x": float(coords[row][0]), "y": float(coords[row][1])})
-                    row += 1
-            self.client.send({"type": "pca", "id": self.id, "hook": self.spec.pca.hook, "layer": self.spec.pca.layer,
-                              "points": points, "explained_variance": [float(r) for r in ratio]})
+        for layer in sorted(self.pca_vectors, key=lambda layer: -1 if layer is None else layer):
+            self.client.send(self._pca_message(layer, self.pca_vectors[layer], generation))
         self.client.send({"type": "generation_done", "id": self.id,
                           "texts": [detokenize(tokens[length:]) for tokens, length in
                                     zip(generation.tokens, generation.prompt_lengths)],
@@ -166,6 +162,20 @@ class ScopeObserver(NoObserver):
                                      zip(generation.tokens, generation.prompt_lengths)],
                           "finish_reason": generation.finish_reasons,
                           "dropped_frames": self.client.dropped_total - self.dropped_at_start})
+
+    def _pca_message(self, layer, vectors, generation):
+        """The ``pca`` message of one layer's vectors: one point per token, ordered by prompt, then position."""
+        vectors.sort(key=lambda item: (item[0], item[1]))
+        coords, ratio = pca_2d(np.concatenate([values.reshape(values.shape[0], -1) for _, _, values in vectors]))
+        points, row = [], 0
+        for prompt_index, start, values in vectors:
+            for position in range(start, start + values.shape[0]):
+                points.append({"prompt_index": prompt_index, "token_index": position,
+                               "text": self.session.encoder.token_text(generation.tokens[prompt_index][position]),
+                               "x": float(coords[row][0]), "y": float(coords[row][1])})
+                row += 1
+        return {"type": "pca", "id": self.id, "hook": self.spec.pca.hook, "layer": layer, "points": points,
+                "explained_variance": [float(r) for r in ratio]}
 
 
 def _within(record, first, end):

@@ -201,4 +201,4 @@ class TrainingSession:
         self.perturbations.clear()
         self.statistics.remove()
         if self.server is not None:
-            self.server.stop()
+            self.server.stop(reason=f"training ended at iteration {self.iteration}")

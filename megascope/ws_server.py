@@ -37,6 +37,7 @@ from megatron.training.errors import UserError
 
 log = logging.getLogger("megascope.ws")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+GOODBYE_SECONDS = 5  # at stop with a reason: how long the queued messages may take to reach the clients
 _LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?")
 
 
@@ -85,6 +86,7 @@ class Client:
         self._control = collections.deque()   # (sequence, text): never dropped
         self._data = collections.deque()      # (sequence, bytes): bounded, oldest dropped
         self._wake = asyncio.Event()
+        self._goodbye = None                  # (code, reason): close with these once the queue is sent
 
     def send(self, message):
         """Queue a JSON message (dict); thread-safe, never blocks, never dropped."""
@@ -122,9 +124,17 @@ class Client:
         while True:
             item = self._next()
             if item is None:
+                if self._goodbye is not None:
+                    await self.connection.close(*self._goodbye)
+                    return
                 await self._wake.wait()
                 continue
             await self.connection.send(item)
+
+    def say_goodbye(self, code, reason):
+        """On the server's loop: send what is queued, then close with ``code`` and ``reason``."""
+        self._goodbye = (code, reason)
+        self._wake.set()
 
 
 class WebSocketServer:
@@ -153,6 +163,7 @@ class WebSocketServer:
         self._failure = None
         self._thread = None
         self._stop = None
+        self._goodbye = None  # the reason of a normal closure (1000) at stop; None: 1001 going away
 
     def start(self):
         """Bind and serve on a daemon thread; raises UserError (one line) when the port cannot be bound."""
@@ -165,8 +176,13 @@ class WebSocketServer:
         log.info("MegaScope WebSocket server on ws://%s:%d (protocol %d)", self.host, self.port, PROTOCOL_VERSION)
         return self
 
-    def stop(self):
+    def stop(self, reason=None):
+        """Close every connection and stop serving. With ``reason`` (the service has ended, e.g. "training
+        ended at iteration 40"), each client first gets what is queued for it, then a normal closure (1000)
+        with that reason, so a page shows the end rather than a lost connection it would retry; without,
+        1001 (going away: the server may come back)."""
         if self.loop is not None and self._stop is not None:
+            self._goodbye = reason
             self.loop.call_soon_threadsafe(self._stop.set)
             self._thread.join(timeout=10)
 
@@ -196,6 +212,12 @@ class WebSocketServer:
         self._ready.set()
         async with server:
             await self._stop.wait()
+            if self._goodbye is not None and self.clients:
+                for client in list(self.clients):
+                    client.say_goodbye(1000, self._goodbye)
+                # a client that does not read within the time left goes with 1001 when the server closes
+                closing = [asyncio.create_task(client.connection.wait_closed()) for client in list(self.clients)]
+                await asyncio.wait(closing, timeout=GOODBYE_SECONDS)
 
     async def _handle(self, connection):
         client = Client(self, connection)

@@ -20,6 +20,12 @@ PERTURBATIONS = [
     {"id": "off", "kind": "system", "target": "resid", "noise": "gaussian", "scale": 9.0, "enabled": False},
 ]
 
+# A constant on these shifts every hidden value of a token alike, which the next LayerNorm removes (the tiny
+# model's --normalization is the default LayerNorm); on the others it changes the output distribution.
+CONSTANT_REMOVED = [("system", "resid"), ("calculation", "embed"), ("calculation", "attn.out"),
+                    ("calculation", "mlp.out"), ("storage", "embed"), ("storage", "attn.proj"), ("storage", "mlp.fc2")]
+CONSTANT_FELT = [("calculation", "ln1"), ("calculation", "mlp.pre"), ("storage", "attn.qkv")]
+
 BITFLIPS = {"id": "bits", "kind": "storage", "target": "mlp.fc1", "noise": "bitflip", "scale": 0.01, "seed": 7}
 
 
@@ -50,6 +56,22 @@ def gradient_check(chunks, active, perturbations, tokens):
     return analytic, (up - down) / (2 * step)
 
 
+def constant_effects(chunks, active, tokens):
+    """(kind, target) -> the largest change of the output log-probabilities under a constant 0.5 there (log-
+    probabilities: a tied output layer shifts every logit of a token alike, which changes no probability)."""
+    spec = CaptureSpec.from_json({"hooks": ["logits"]})
+
+    def log_probs():
+        return torch.log_softmax(capture(chunks, spec, tokens)[0].values.double(), dim=-1)
+    plain = log_probs()
+    effects = {}
+    for kind, target in CONSTANT_REMOVED + CONSTANT_FELT:
+        active.replace([Perturbation.from_json({"kind": kind, "target": target, "noise": "constant", "scale": 0.5})])
+        effects[(kind, target)] = (log_probs() - plain).abs().max().item()
+        active.clear()
+    return effects
+
+
 def perturbation_phases(chunks, tokens):
     spec = CaptureSpec.from_json({"hooks": ["resid_post", "logits"]})
     perturbations = [Perturbation.from_json(obj) for obj in PERTURBATIONS]
@@ -72,4 +94,6 @@ def perturbation_phases(chunks, tokens):
     if torch.distributed.get_world_size() == 1:
         saved["gradient"] = gradient_check(chunks, active, perturbations, tokens)
         active.clear()
+        with torch.no_grad():
+            saved["constant_effects"] = constant_effects(chunks, active, tokens)
     return saved

@@ -44,7 +44,8 @@ def test_reductions_compute_what_they_say():
     ({"hooks": ["embed"], "tokens": [0]}, "bad_field", "tokens"),
     ({"hooks": ["embed"], "topk": 0}, "bad_field", "topk"),
     ({"hooks": ["embed"], "pca": {"hook": "resid_post", "layer": 1}}, "bad_field", "pca.hook"),
-    ({"hooks": ["resid_post"], "pca": {"hook": "resid_post"}}, "bad_field", "pca.layer"),
+    ({"hooks": ["resid_post"], "pca": {"hook": "resid_post", "layer": "2"}}, "bad_field", "pca.layer"),
+    ({"hooks": ["embed"], "pca": {"hook": "embed", "layer": 0}}, "bad_field", "pca.layer"),
     ({"hooks": ["embed"], "code": "print(1)"}, "bad_field", "code"),
 ])
 def test_bad_capture_specs_name_the_field(spec, code, field):
@@ -60,6 +61,8 @@ def test_a_full_capture_spec_parses():
                                   "logit_lens": True, "pca": {"hook": "resid_post", "layer": 2}, "sample": 1})
     assert str(spec.reduction_for("attn.pattern")) == "mean_heads" and str(spec.reduction_for("mlp.out")) == "norm"
     assert CaptureSpec.from_json(spec.to_json()) == spec
+    every_layer = CaptureSpec.from_json({"hooks": ["resid_post"], "pca": {"hook": "resid_post", "layer": None}})
+    assert every_layer.pca.layer is None and CaptureSpec.from_json(every_layer.to_json()) == every_layer
     assert spec.wants_layer(2) and not spec.wants_layer(3) and spec.wants_token(7) and not spec.wants_token(8)
 
 

@@ -5,6 +5,7 @@ perturbations are ProtocolErrors naming the field."""
 
 import pytest
 import torch
+from megascope_perturbation_phases import CONSTANT_FELT, CONSTANT_REMOVED
 from megascope_runs import REFERENCE, runs_root, saved
 
 from megascope.errors import ProtocolError
@@ -53,6 +54,15 @@ def test_gradients_flow_through_calculation_and_system_noise(tmp_root):
     analytic, finite_difference = _run("single", tmp_root)["gradient"]
     assert analytic == pytest.approx(finite_difference, rel=1e-2)
     assert analytic != 0
+
+
+def test_a_constant_that_shifts_the_residual_stream_does_nothing_on_a_layernorm_model(tmp_root):
+    """What docs/megascope.md and the page's note say: a constant on the residual stream, on what is added to it
+    and on the weights that write it is removed by the next LayerNorm; elsewhere it changes the output."""
+    effects = _run("single", tmp_root)["constant_effects"]
+    removed = {key: change for key, change in effects.items() if change < 1e-4}
+    assert sorted(removed) == sorted(CONSTANT_REMOVED), effects
+    assert all(effects[key] > 1e-2 for key in CONSTANT_FELT), effects
 
 
 def test_bit_flips_xor_the_16_bit_storage():

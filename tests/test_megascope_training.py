@@ -10,6 +10,7 @@ import subprocess
 import threading
 
 import pytest
+import websockets
 from websockets.sync.client import connect
 
 from launch import REPO, child_env, free_port, kill_process_tree, torchrun, torchrun_command
@@ -76,6 +77,14 @@ class TrainingJob:
             if not isinstance(message, bytes) and predicate(message):
                 return seen
 
+    def goodbye(self):
+        """The messages still to come and the server's close frame (the run has ended)."""
+        rest = []
+        with pytest.raises(websockets.ConnectionClosed) as closed:
+            while True:
+                rest.append(self.receive())
+        return rest, closed.value.rcvd
+
     def finish(self):
         try:
             self.process.wait(timeout=TIMEOUT)
@@ -138,9 +147,12 @@ def test_pause_step_resume_stop_capture_and_perturb_between_iterations(tmp_path)
         assert _iterations(after_pause) == [paused["iteration"] + 1] == [after_pause[-1]["iteration"]]
         job.send({"type": "train", "action": "stop"})
         rest = after_pause + job.until(lambda m: m["type"] == "training_state" and m["state"] == "stopping")
+        _, goodbye = job.goodbye()
         code, output = job.finish()
         assert code == 0, output[-3000:]
         stopped_at = int((tmp_path / "ckpt/latest_checkpointed_iteration.txt").read_text())
+        # a normal closure that says why: the page shows the end instead of a lost connection it retries
+        assert (goodbye.code, goodbye.reason) == (1000, f"training ended at iteration {stopped_at}")
         assert _iterations(running + rest) == list(range(4, paused["iteration"] + 2))
         assert stopped_at == paused["iteration"] + 1 and f"saved checkpoint at iteration {stopped_at}" in output
     finally:
@@ -155,6 +167,9 @@ def _streamed_run(nproc, flags):
                                                      "reduction": "norm", "sample": 3}})
         job.send({"type": "train", "action": "resume"})
         messages = job.until(lambda m: m["type"] == "iteration" and m["iteration"] == 3)
+        rest, goodbye = job.goodbye()  # the end of --train-iters closes like a stop request
+        assert rest[-1] == {"type": "training_state", "state": "stopping", "iteration": 3}
+        assert (goodbye.code, goodbye.reason) == (1000, "training ended at iteration 3")
         code, output = job.finish()
         assert code == 0, output[-3000:]
         frames = [decode_data_frame(m) for m in messages if isinstance(m, bytes)]

@@ -210,3 +210,21 @@ def test_slow_client_gets_a_drop_count_and_the_model_never_waits():
     assert reported == dropped
     server.stop()
     assert len(session.disconnected) == 1
+
+
+def test_a_stop_with_a_reason_sends_what_is_queued_then_closes_normally_with_it():
+    """A service that has ended (training) says so: close code 1000 and the reason, after the last messages;
+    a plain stop is 1001 (going away: the page retries)."""
+    async def client(reason):
+        server = serve(FloodSession())
+        async with connect(f"ws://127.0.0.1:{server.port}") as ws:
+            assert (await hello(ws))["type"] == "welcome"
+            server.broadcast({"type": "training_state", "state": "stopping", "iteration": 7})
+            await asyncio.to_thread(server.stop, reason)
+            last = json.loads(await ws.recv())
+            with pytest.raises(websockets.ConnectionClosed) as closed:
+                await ws.recv()
+        return last, closed.value.rcvd
+    last, goodbye = run(client("training ended at iteration 7"))
+    assert last["state"] == "stopping" and (goodbye.code, goodbye.reason) == (1000, "training ended at iteration 7")
+    assert run(client(None))[1].code == 1001

@@ -233,6 +233,8 @@ def _early_stop_token(generated):
 
 def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(server):
     capture = {"hooks": ["resid_post"], "layers": [2, 3], "pca": {"hook": "resid_post", "layer": 2}}
+    # pca.layer null: one pca message per captured layer (the page's PCA tab switches layers without generating)
+    every_layer = {**capture, "layers": [1, 3], "pca": {"hook": "resid_post", "layer": None}}
 
     async def client():
         async with websocket(server) as ws:
@@ -240,8 +242,9 @@ def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(ser
             plain = (await generation(ws, {"type": "generate", **GREEDY}))[0][-1]["tokens"]
             row, stop = _early_stop_token(plain)
             request = {"type": "generate", "capture": capture, "stop_tokens": [stop], **GREEDY}
-            return row, await generation(ws, request)
-    stopped_row, (messages, frames) = run(client())
+            one_layer = await generation(ws, request)
+            return row, one_layer, (await generation(ws, {**request, "capture": every_layer}))[0]
+    stopped_row, (messages, frames), every_layer_messages = run(client())
     pca = next(message for message in messages if message["type"] == "pca")
     started, done = messages[0], messages[-1]
     assert done["finish_reason"][stopped_row] == "stop" and done["finish_reason"][1 - stopped_row] == "length"
@@ -266,6 +269,14 @@ def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(ser
     np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max())  # the wire's float16 values
     np.testing.assert_allclose(pca["explained_variance"], singular[:2] ** 2 / (singular ** 2).sum(), atol=2e-3)
     assert pca["explained_variance"][0] >= pca["explained_variance"][1]
+    # every captured layer: layers 1 and 2 in order, just before generation_done (the server's own vectors,
+    # whatever the small send queue dropped), layer 2 the same projection as when asked alone
+    ordered = [m for m in every_layer_messages if m["type"] in ("pca", "generation_done")]
+    assert [m.get("layer") for m in ordered] == [1, 2, None] and ordered[-1]["tokens"] == done["tokens"]
+    for layer_pca in ordered[:2]:
+        assert [(point["prompt_index"], point["token_index"]) for point in layer_pca["points"]] == real
+    assert ordered[1]["points"] == pca["points"] and ordered[1]["explained_variance"] == pca["explained_variance"]
+    assert ordered[0]["points"] != pca["points"]
 
 
 def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):

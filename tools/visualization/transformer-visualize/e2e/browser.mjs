@@ -60,12 +60,24 @@ export async function reportFailure(page) {
   await screenshot(page, 'failure').catch(() => {});
 }
 
+/** Open the page with ?url=: it connects by itself (no click), as a link that names its backend should. */
 export async function connect(page, pageUrl, wsUrl, mode) {
   await page.goto(`${pageUrl}?url=${encodeURIComponent(wsUrl)}`);
-  await page.click('[data-test=connect]');
-  await page.waitForSelector('[data-test=state]:text-is("connected")', { timeout: 60000 });
+  await page.waitForSelector('[data-test=state]:text-is("connected")', { timeout: 60000 })
+    .catch(() => { throw new Error(`e2e: the page opened with ?url=${wsUrl} did not connect by itself`); });
   check((await page.textContent('[data-test=protocol]')) === 'protocol v1', 'the page does not show protocol v1');
   check((await page.textContent('[data-test=mode]')) === mode, `the backend is not in ${mode} mode`);
+}
+
+/** The RGB of the cell (row, col) of a heatmap canvas, and the layout it was drawn with (HeatmapCanvas's data-layout). */
+export function heatmapCell(page, selector, row, col) {
+  return page.$eval(selector, (canvas, [r, c]) => {
+    const layout = JSON.parse(canvas.dataset.layout);
+    const ratio = canvas.width / canvas.clientWidth;
+    const x = Math.floor((layout.left + (c + 0.5) * layout.cellW) * ratio);
+    const y = Math.floor((layout.top + (r + 0.5) * layout.cellH) * ratio);
+    return { rgb: Array.from(canvas.getContext('2d').getImageData(x, y, 1, 1).data.slice(0, 3)), layout };
+  }, [row, col]);
 }
 
 /** Canvas pixels that are not the white background, read from the canvas itself. */

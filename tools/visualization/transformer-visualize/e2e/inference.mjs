@@ -1,15 +1,18 @@
 // End-to-end, inference mode, against the real backend (tools/run_text_generation_server.py with
 // --enable-ws-server): connect, two prompts, 8 tokens, tokens equal to the REST answer for the same seed,
-// attention canvas painted, one PCA point per token, a perturbation changes the tokens and removing it
-// restores them, every perturbation target the page offers is taken by the server. Screenshots of every view.
+// attention canvas painted with masked (future) keys blank, one PCA point per token and every captured
+// layer's PCA a choice away, a perturbation changes the tokens and removing it restores them, every
+// perturbation target the page offers is taken by the server; a 50-token generation keeps its attention
+// labels (every k-th) and each row on its own scale reaches the top color. Screenshots of every view.
 //   MEGASCOPE_HTTP=http://127.0.0.1:5000 MEGASCOPE_WS=ws://127.0.0.1:5001/ node e2e/inference.mjs
-import { check, connect, launch, reportFailure, paintedPixels, screenshot } from './browser.mjs';
+import { check, connect, heatmapCell, launch, reportFailure, paintedPixels, screenshot } from './browser.mjs';
 
 const HTTP = process.env.MEGASCOPE_HTTP;
 const WS = process.env.MEGASCOPE_WS;
 const PROMPTS = ['The quick brown fox', 'Once upon a time there'];
 const TOKENS = 8;
 const SEED = 1234;
+const LONG_TOKENS = 50;
 
 async function generateAndRead(page) {
   await page.click('[data-test=tab-generate]');
@@ -22,6 +25,40 @@ async function generateAndRead(page) {
 }
 
 const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
+const WHITE = [255, 255, 255];
+const ATTENTION = '[data-test=attention-canvas] canvas.heatmap-canvas';
+
+/** Wait until the attention heatmap has drawn `rows` rows with `perRow` (it draws on a later animation frame). */
+async function attentionDrawn(page, rows, perRow = false) {
+  await page.waitForFunction(([s, n, p]) => {
+    const layout = JSON.parse(document.querySelector(s)?.dataset.layout ?? 'null');
+    return layout !== null && layout.rows === n && layout.perRow === p;
+  }, [ATTENTION, rows, perRow], { timeout: 30000 }).catch(() => { throw new Error(`e2e: the attention heatmap did not draw ${rows} rows (per row: ${perRow})`); });
+}
+
+/** Per painted row of the attention canvas: whether one of its cells (keys 0 .. row) has the sequential
+ *  scale's top color (viridis yellow, 253 231 37). */
+function rowsReachingTop(page) {
+  return page.$eval(ATTENTION, (canvas) => {
+    const layout = JSON.parse(canvas.dataset.layout);
+    const ratio = canvas.width / canvas.clientWidth;
+    const { data, width } = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height);
+    const result = [];
+    for (let r = 0; r < layout.rows; r++) {
+      let painted = false;
+      let top = false;
+      for (let c = 0; c <= r; c++) {
+        const x = Math.floor((layout.left + (c + 0.5) * layout.cellW) * ratio);
+        const y = Math.floor((layout.top + (r + 0.5) * layout.cellH) * ratio);
+        const o = 4 * (y * width + x);
+        if (data[o] < 250 || data[o + 1] < 250 || data[o + 2] < 250) painted = true;
+        if (Math.abs(data[o] - 253) <= 2 && Math.abs(data[o + 1] - 231) <= 2 && Math.abs(data[o + 2] - 37) <= 2) top = true;
+      }
+      if (painted) result.push(top);
+    }
+    return result;
+  });
+}
 
 async function main() {
   check(HTTP && WS, 'set MEGASCOPE_HTTP (the REST server, which also serves the page) and MEGASCOPE_WS');
@@ -59,12 +96,17 @@ async function main() {
     await screenshot(page, 'vectors');
 
     await page.click('[data-test=tab-attention]');
-    const attention = '[data-test=attention-canvas] canvas.heatmap-canvas';
+    const attention = ATTENTION;
+    const tokens0 = baseline[0].prompt.length + baseline[0].generated.length;
     await page.waitForSelector(attention);
-    await page.waitForFunction((s) => document.querySelector(s).width > 0, attention);
-    await page.waitForTimeout(100);  // the heatmap draws on the next animation frame
+    await attentionDrawn(page, tokens0);
     const painted = await paintedPixels(page, attention);
     check(painted > 1000, `the attention heatmap canvas has ${painted} non-background pixels`);
+    // A key after its query is masked: blank, not drawn as an attention of 0; the query's own key is drawn.
+    // (The prefill's rows carry their masked keys as zeros: query 0, key 1 is one of them.)
+    const masked = await heatmapCell(page, attention, 0, 1);
+    check(same(masked.rgb, WHITE), `the masked cell (query 0, key 1) is drawn ${masked.rgb}, not blank`);
+    check(!same((await heatmapCell(page, attention, 0, 0)).rgb, WHITE), 'the cell (query 0, key 0) is blank');
     await page.hover(attention, { position: { x: 200, y: 300 } });
     await screenshot(page, 'attention');
     await page.selectOption('[data-test=attn-head]', 'all');
@@ -84,6 +126,17 @@ async function main() {
     });
     check(Number(await page.getAttribute('[data-test=pca]', 'data-points')) === drawn.length, 'the PCA point count is not what it draws');
     console.log(`PCA: ${drawn.length} points for ${baseline.map((s) => s.prompt.length + s.generated.length).join(' + ')} tokens`);
+    // The generation asked for every captured layer's PCA: another layer is a choice here, not a new generation.
+    const layers = await page.$$eval('[data-test=pca-layer] option', (options) => options.map((o) => o.value));
+    check(same(layers, ['0', '1', '2', '3']), `the PCA tab offers layers ${layers}`);
+    check(await page.getAttribute('[data-test=pca]', 'data-layer') === '0', 'the PCA tab does not show layer 0 first');
+    const firstInfo = await page.textContent('[data-test=pca-info]');
+    await page.selectOption('[data-test=pca-layer]', '2');
+    await page.waitForSelector('[data-test=pca][data-layer="2"]', { timeout: 10000 });
+    const secondInfo = await page.textContent('[data-test=pca-info]');
+    check(/layer 2:/.test(secondInfo) && secondInfo !== firstInfo, `after choosing layer 2 the PCA reads "${secondInfo}" (was "${firstInfo}")`);
+    check(same(JSON.parse(await page.getAttribute('[data-test=pca]', 'data-tokens')), drawn), 'layer 2\'s PCA draws other tokens');
+    console.log(`PCA layer chosen in the tab: ${firstInfo.trim()} -> ${secondInfo.trim()}`);
     await screenshot(page, 'pca');
 
     await page.click('[data-test=tab-perturbations]');
@@ -127,6 +180,33 @@ async function main() {
     }
     console.log(`every offered perturbation target was taken: ${offered}`);
     await page.click('[data-test=clear-perturbations]');
+    await page.waitForSelector('[data-test=active-perturbations] .chip', { state: 'detached' });
+
+    // A long generation: the labels thin out to every k-th token instead of vanishing, and each row on
+    // its own scale gives every query's most attended key the top color.
+    await page.click('[data-test=tab-generate]');
+    await page.fill('[data-test=tokens]', String(LONG_TOKENS));
+    const long = await generateAndRead(page);
+    const longTokens = long[0].prompt.length + long[0].generated.length;
+    await page.click('[data-test=tab-attention]');
+    await attentionDrawn(page, longTokens);
+    const { layout } = await heatmapCell(page, attention, 0, 0);
+    const labelPixels = await page.$eval(attention, (canvas, left) => {
+      if (left < 10) return 0;  // no room was left for labels
+      const ratio = canvas.width / canvas.clientWidth;
+      const { data } = canvas.getContext('2d').getImageData(0, 0, Math.floor(left * ratio) - 2, canvas.height);
+      let n = 0;
+      for (let i = 0; i < data.length; i += 4) if (data[i] < 200) n += 1;
+      return n;
+    }, layout.left);
+    check(layout.rowStride > 1 && labelPixels > 100,
+      `${longTokens} tokens: row labels every ${layout.rowStride} rows, ${labelPixels} label pixels left of the map`);
+    await page.check('[data-test=attn-per-row]');
+    await attentionDrawn(page, longTokens, true);
+    const reaching = await rowsReachingTop(page);
+    check(reaching.length >= longTokens / 2 && reaching.every(Boolean),
+      `each row on its own scale: ${reaching.filter(Boolean).length} of ${reaching.length} painted rows reach the top color`);
+    console.log(`${longTokens} tokens: labels every ${layout.rowStride} rows; all ${reaching.length} painted rows reach the top color on their own scale`);
   } catch (error) {
     await reportFailure(page);
     throw error;

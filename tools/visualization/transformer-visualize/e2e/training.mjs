@@ -1,11 +1,13 @@
 // End-to-end, training mode, against a real run (pretrain_gpt.py --training-ws-port): live iterations,
-// pause / step 2 / resume move the iteration counter by exactly what was asked, then stop. The run waits
-// (--training-ws-wait) until the page resumes it.
+// pause / step 2 / resume move the iteration counter by exactly what was asked, then stop: the page shows
+// the run as ended (the server's normal closure and its reason), not as a lost connection it retries. The
+// run waits (--training-ws-wait) until the page resumes it.
 //   MEGASCOPE_WS=ws://127.0.0.1:5002/ node e2e/training.mjs
 import { check, connect, launch, reportFailure, screenshot, serveDist } from './browser.mjs';
 
 const WS = process.env.MEGASCOPE_WS;
 const STEPS = 2;
+const same = (a, b) => JSON.stringify(a) === JSON.stringify(b);
 
 async function counter(page) {
   const [iteration, state] = await Promise.all([page.textContent('[data-test=iteration]'), page.textContent('[data-test=training-state]')]);
@@ -74,6 +76,13 @@ async function main() {
     console.log(`paused (reply at ${paused.iteration}), stepped ${started.iteration} -> ${stopped.iteration}, resumed to ${(await counter(page)).iteration}`);
     await page.click('[data-test=stop]');
     await waitForCounter(page, { state: 'stopping' }, 'the stopping state');
+    await page.waitForSelector('[data-test=training-ended]', { timeout: 120000 }).catch(async () => {
+      throw new Error(`e2e: after Stop the page shows "${await page.textContent('[data-test=state]')}": ${await page.textContent('[data-test=detail]').catch(() => '')}`);
+    });
+    const ended = await page.textContent('[data-test=training-ended]');
+    const bar = [await page.textContent('[data-test=state]'), await page.textContent('[data-test=training-state]')];
+    check(/^training ended at iteration \d+/.test(ended) && same(bar, ['ended', 'ended']), `after Stop the page shows ${bar}: "${ended}"`);
+    console.log(`the page shows: ${ended}`);
   } catch (error) {
     await reportFailure(page);
     throw error;

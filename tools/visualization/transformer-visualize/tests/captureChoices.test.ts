@@ -19,6 +19,8 @@ describe('capture choices', () => {
       hooks: ['attn.q', 'embed'], layers: [1, 3], tokens: null, reduction: 'bins(8)', reductions: { embed: 'norm' }, topk: 3, logit_lens: true, pca: { hook: 'resid_post', layer: 2 },
     });
     expect(buildCaptureSpec({ ...base, allLayers: true, pcaHook: 'final_norm' }, HOOKS).pca).toEqual({ hook: 'final_norm', layer: null });
+    // a per-layer hook's PCA of every captured layer: one pca message per layer
+    expect(buildCaptureSpec({ ...base, pcaLayer: null }, HOOKS).pca).toEqual({ hook: 'resid_post', layer: null });
   });
 });
 
@@ -26,10 +28,11 @@ describe('connection settings', () => {
   it('takes ?url= first, then local storage, then VITE_MEGASCOPE_URL, then the default port on the page host', () => {
     const storage = new Map<string, string>();
     const kv = { getItem: (k: string) => storage.get(k) ?? null, setItem: (k: string, v: string) => void storage.set(k, v) };
-    expect(initialSettings(kv, '', undefined, 'example.org')).toEqual({ url: 'ws://example.org:5001/', token: '' });
+    expect(initialSettings(kv, '', undefined, 'example.org')).toEqual({ url: 'ws://example.org:5001/', token: '', connectAtOnce: false });
     expect(initialSettings(kv, '', 'ws://env:7/', 'example.org').url).toBe('ws://env:7/');
     rememberSettings(kv, { url: 'ws://stored:9/', token: 'secret' });
-    expect(initialSettings(kv, '', 'ws://env:7/', 'example.org')).toEqual({ url: 'ws://stored:9/', token: 'secret' });
-    expect(initialSettings(kv, '?url=ws%3A%2F%2Fquery%3A1%2F&token=t', 'ws://env:7/', 'x')).toEqual({ url: 'ws://query:1/', token: 't' });
+    expect(initialSettings(kv, '', 'ws://env:7/', 'example.org')).toEqual({ url: 'ws://stored:9/', token: 'secret', connectAtOnce: false });
+    // an address in the page's own address is connected to at once
+    expect(initialSettings(kv, '?url=ws%3A%2F%2Fquery%3A1%2F&token=t', 'ws://env:7/', 'x')).toEqual({ url: 'ws://query:1/', token: 't', connectAtOnce: true });
   });
 });

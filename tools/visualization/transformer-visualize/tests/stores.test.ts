@@ -7,7 +7,7 @@ import type { AddressInfo } from 'node:net';
 import { useCapturesStore } from '../src/stores/captures';
 import { useConnectionStore } from '../src/stores/connection';
 import { useGenerationStore } from '../src/stores/generation';
-import { targetsFor, usePerturbationsStore } from '../src/stores/perturbations';
+import { removedByLayerNorm, targetsFor, usePerturbationsStore } from '../src/stores/perturbations';
 import { useTrainingStore } from '../src/stores/training';
 import { wireStores } from '../src/stores/wiring';
 import type { IterationMessage } from '../src/protocol/messages';
@@ -102,6 +102,13 @@ describe('connection store', () => {
     expect(received.filter((m) => m.type === 'hello')).toHaveLength(2);
   });
 
+  it('shows a normal closure by the server (a training run that ended) as ended with its reason, and does not retry', async () => {
+    const connection = await connected(welcoming);
+    for (const client of server!.clients) client.close(1000, 'training ended at iteration 3');
+    await until(() => connection.state !== 'connected', 'the closure');
+    expect([connection.state, connection.detail]).toEqual(['ended', 'training ended at iteration 3']);
+  });
+
   it('refuses to send while disconnected and says so', () => {
     const connection = useConnectionStore(pinia);
     expect(connection.send({ type: 'ping' })).toBe(false);
@@ -119,6 +126,7 @@ describe('generation, captures and perturbations stores', () => {
       reply(buildFrame({ id, step: 0, hook: 'blocks.0.attn.pattern', layer: 0, prompt_index: 1, tokens: [0, 2], shape: [2, 1, 2], dims: ['token', 'head', 'key'], reduction: 'none' }, [1, 0, 0.5, 0.5]));
       reply({ type: 'token', id, step: 1, tokens: [{ prompt_index: 0, token_id: 4, text: 'd', prob: 0.5, logprob: -0.7, topk: [{ token_id: 4, text: 'd', prob: 0.5 }] }, { prompt_index: 1, token_id: 5, text: 'e', prob: 0.25, logprob: -1.4, topk: [] }] });
       reply({ type: 'logit_lens', id, step: 1, prompt_index: 0, layers: [{ layer: 0, topk: [{ token_id: 4, text: 'd', prob: 0.3 }] }] });
+      reply({ type: 'pca', id, hook: 'resid_post', layer: 0, points: [{ prompt_index: 0, token_index: 0, text: 'a', x: 3, y: 4 }], explained_variance: [0.8, 0.1] });
       reply({ type: 'pca', id, hook: 'resid_post', layer: 1, points: [{ prompt_index: 0, token_index: 0, text: 'a', x: 1, y: 2 }], explained_variance: [0.6, 0.3] });
       reply({ type: 'generation_done', id, texts: ['d', 'e'], tokens: [[4], [5]], finish_reason: ['length', 'length'], dropped_frames: 0 });
     });
@@ -133,6 +141,10 @@ describe('generation, captures and perturbations stores', () => {
     expect(run.seed).toBe(7);
     expect(run.generated.map((tokens) => tokens.map((t) => t.token_id))).toEqual([[4], [5]]);
     expect(generation.lensFor(0, 1)?.[0].topk[0].text).toBe('d');
+    // every layer's PCA is kept: choosing another layer shows it without generating again
+    expect(generation.pcas.map((m) => m.layer)).toEqual([0, 1]);
+    expect(generation.pca?.explained_variance).toEqual([0.8, 0.1]);
+    generation.pcaLayer = 1;
     expect(generation.pca?.explained_variance).toEqual([0.6, 0.3]);
     expect(generation.history[0].id).toBe(run.id);
     expect(captures.series.get('1|blocks.0.attn.pattern')?.rows.size).toBe(2);
@@ -142,6 +154,15 @@ describe('generation, captures and perturbations stores', () => {
     expect(targetsFor('storage', WELCOME.perturbation_targets)).toEqual(['attn.qkv', 'ln2']);
     expect(targetsFor('calculation', WELCOME.perturbation_targets)).toEqual(['embed', 'final_norm']);
     expect(targetsFor('system', {})).toEqual([]);
+  });
+
+  it('warns where a LayerNorm undoes a constant: on the residual stream and what is added to it', () => {
+    expect(removedByLayerNorm({ kind: 'system', target: 'resid', noise: 'constant' })).toBe(true);
+    expect(removedByLayerNorm({ kind: 'calculation', target: 'attn.out', noise: 'constant' })).toBe(true);
+    expect(removedByLayerNorm({ kind: 'calculation', target: 'mlp.pre', noise: 'constant' })).toBe(false);  // a GeLU follows
+    expect(removedByLayerNorm({ kind: 'system', target: 'resid', noise: 'gaussian' })).toBe(false);
+    expect(removedByLayerNorm({ kind: 'storage', target: 'attn.proj', noise: 'constant' })).toBe(true);  // x (W + c) = x W + c sum(x)
+    expect(removedByLayerNorm({ kind: 'storage', target: 'attn.qkv', noise: 'constant' })).toBe(false);
   });
 
   it('rejects a generation the server refuses, and applies perturbations when the server reports the set', async () => {

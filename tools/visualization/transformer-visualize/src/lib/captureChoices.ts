@@ -37,7 +37,7 @@ export interface CaptureChoices {
   topk: number;
   logitLens: boolean;
   pcaHook: string;                   // '' = no PCA
-  pcaLayer: number;
+  pcaLayer: number | null;           // null: every captured layer (the PCA tab then switches layers)
 }
 
 export function buildCaptureSpec(choices: CaptureChoices, declaredHooks: string[]): CaptureSpec {

@@ -88,7 +88,9 @@ export function headCount(s: CaptureSeries): number {
   return headAxis >= 0 && first ? first.shape[headAxis] : 1;
 }
 
-/** Query x key attention matrix of one layer and head (rows: token positions captured; keys beyond a row's length stay NaN). */
+/** Query x key attention matrix of one layer and head (rows: token positions captured). Keys after a row's
+ *  query are masked (causal attention): the prefill's block carries them as zeros, but they stay NaN here, so
+ *  they are drawn blank rather than as an attention of 0. */
 export function attentionMatrix(s: CaptureSeries, head: number, tokenTexts: string[]): Matrix {
   const n = Math.max(tokenTexts.length, ...[...s.rows.keys()].map((t) => t + 1));
   const values = new Float32Array(n * n).fill(NaN);
@@ -96,7 +98,7 @@ export function attentionMatrix(s: CaptureSeries, head: number, tokenTexts: stri
   for (const [t, row] of s.rows) {
     const keys = row.shape[row.shape.length - 1];
     const offset = headAxis >= 0 ? head * keys : 0;
-    const width = Math.min(keys, n);
+    const width = Math.min(keys, n, t + 1);
     values.set(row.values.subarray(offset, offset + width), t * n);
   }
   const labels = Array.from({ length: n }, (_, i) => tokenTexts[i] ?? `#${i}`);

@@ -29,8 +29,8 @@ export interface Range {
   max: number;
 }
 
-/** The value range a scale spans: [min, max] of the finite values, symmetric about 0 when diverging. */
-export function valueRange(kind: ScaleKind, values: Float32Array): Range {
+/** [min, max] of the finite values; null when there are none. */
+function finiteExtent(values: Float32Array): Range | null {
   let min = Infinity;
   let max = -Infinity;
   for (const v of values) {
@@ -38,7 +38,14 @@ export function valueRange(kind: ScaleKind, values: Float32Array): Range {
     if (v < min) min = v;
     if (v > max) max = v;
   }
-  if (min === Infinity) return { min: 0, max: 1 };
+  return min === Infinity ? null : { min, max };
+}
+
+/** The value range a scale spans: [min, max] of the finite values, symmetric about 0 when diverging. */
+export function valueRange(kind: ScaleKind, values: Float32Array): Range {
+  const extent = finiteExtent(values);
+  if (extent === null) return { min: 0, max: 1 };
+  const { min, max } = extent;
   if (kind === 'diverging') {
     const m = Math.max(Math.abs(min), Math.abs(max)) || 1;
     return { min: -m, max: m };
@@ -77,4 +84,24 @@ export function paint(kind: ScaleKind, values: Float32Array, range: Range, out: 
     }
     out[o + 3] = 255;
   }
+}
+
+/** Each row painted on its own range, from 0 (or the row's minimum, if below 0) to the row's largest value:
+ *  attention over a hundred keys is small everywhere, so one range for the whole matrix leaves it nearly
+ *  uniformly dark; per row, every query's most attended key gets the top color. */
+export function paintRows(kind: ScaleKind, values: Float32Array, cols: number, out: Uint8ClampedArray, gamma = 1): void {
+  for (let start = 0; start < values.length; start += cols) {
+    const row = values.subarray(start, start + cols);
+    const extent = finiteExtent(row);
+    const low = extent === null ? 0 : Math.min(0, extent.min);
+    // a row of one value (the first query attends only to itself) still reaches the top color
+    const range = kind === 'diverging' ? valueRange(kind, row)
+      : { min: low, max: extent !== null && extent.max > low ? extent.max : low + 1 };
+    paint(kind, row, range, out.subarray(4 * start, 4 * (start + cols)), gamma);
+  }
+}
+
+/** Show every k-th label so that labels are at least `minPx` apart when each cell is `cellPx` wide. */
+export function labelStride(cellPx: number, minPx: number): number {
+  return cellPx >= minPx ? 1 : Math.ceil(minPx / Math.max(cellPx, 1e-6));
 }

@@ -1,10 +1,14 @@
 // One WebSocket connection to a MegaScope backend: says hello first, hands every JSON message and
 // decoded data frame to its listeners, and reconnects (with growing delays) after the backend goes away.
+// A normal closure by the server (1000, e.g. "training ended at iteration 40") is the end of its service:
+// the state becomes 'ended' with the server's reason, and nothing retries.
 import { nextFrame } from '../lib/nextFrame';
 import { decodeDataFrame, FrameError, type DataFrame } from './dataFrame';
 import { parseServerMessage, PROTOCOL_VERSION, type ClientMessage, type ServerMessage, type Welcome } from './messages';
 
-export type ConnectionState = 'idle' | 'connecting' | 'connected' | 'reconnecting' | 'closed';
+export type ConnectionState = 'idle' | 'connecting' | 'connected' | 'reconnecting' | 'closed' | 'ended';
+
+const NORMAL_CLOSURE = 1000;
 
 export interface ClientListener {
   state(state: ConnectionState, detail: string): void;
@@ -76,6 +80,11 @@ export class MegascopeClient {
       if (this.socket !== socket) return;
       this.socket = null;
       if (!this.wanted) return;
+      if (event.code === NORMAL_CLOSURE) {
+        this.wanted = false;
+        this.listener.state('ended', event.reason || 'the server closed the connection');
+        return;
+      }
       const delay = RECONNECT_DELAYS_MS[Math.min(this.attempts, RECONNECT_DELAYS_MS.length - 1)];
       this.attempts += 1;
       this.listener.state('reconnecting', `connection closed (${event.code}${event.reason ? ': ' + event.reason : ''}); retrying in ${delay} ms`);

@@ -74,6 +74,7 @@ export const useConnectionStore = defineStore('connection', () => {
 
   return {
     url, token, state, detail, welcome, errors, droppedFrames, protocolVersion, mode,
+    connectAtOnce: initial.connectAtOnce,
     connect, disconnect, send, showError,
     dismissErrors: () => { errors.value = []; },
     onMessage: (handler: MessageHandler) => { messageHandlers.push(handler); },

@@ -1,7 +1,7 @@
 // Inference: the request being edited, the generation streaming in, its logit lens and PCA, and the
 // runs kept for the with/without-perturbations comparison.
 import { defineStore } from 'pinia';
-import { reactive, ref, shallowRef } from 'vue';
+import { computed, reactive, ref, shallowRef } from 'vue';
 import type { CaptureSpec, ClientMessage, GenerationDone, LensLayer, PcaMessage, Perturbation, PromptToken, SampledToken, ServerMessage } from '../protocol/messages';
 import type { CaptureChoices } from '../lib/captureChoices';
 
@@ -39,12 +39,15 @@ export const useGenerationStore = defineStore('generation', () => {
     prompts: ['The quick brown fox', 'Once upon a time'], tokensToGenerate: 8, temperature: 1, topK: 0, topP: 0, seed: 1234, addBos: false,
   });
   const capture = reactive<CaptureChoices>({
-    hooks: [], allLayers: true, layerStart: 0, layerEnd: 1, reduction: 'none', perHook: {}, topk: 5, logitLens: false, pcaHook: '', pcaLayer: 0,
+    hooks: [], allLayers: true, layerStart: 0, layerEnd: 1, reduction: 'none', perHook: {}, topk: 5, logitLens: false, pcaHook: '', pcaLayer: null,
   });
   const current = ref<Generation | null>(null);
   const history = ref<Generation[]>([]);
   const lens = shallowRef(new Map<string, LensLayer[]>());
-  const pca = shallowRef<PcaMessage | null>(null);
+  // One pca message per layer asked for (pca.layer null: every captured layer); the PCA tab shows the chosen one.
+  const pcas = shallowRef<PcaMessage[]>([]);
+  const pcaLayer = ref<number | null>(null);  // the layer shown; null: the first that arrived
+  const pca = computed(() => pcas.value.find((m) => m.layer === pcaLayer.value) ?? pcas.value[0] ?? null);
   const selected = ref<{ promptIndex: number; step: number } | null>(null);
   const comparison = ref<{ without: Generation; with: Generation } | null>(null);  // the last with/without pair
   let counter = 0;
@@ -57,7 +60,7 @@ export const useGenerationStore = defineStore('generation', () => {
     const prompts = params.prompts.filter((p) => p.trim() !== '');
     current.value = { id, prompts, seed: params.seed, promptTokens: [], generated: prompts.map(() => []), done: null, error: null, perturbations: activePerturbations };
     lens.value = new Map();
-    pca.value = null;
+    pcas.value = [];
     selected.value = null;
     const sent = send({
       type: 'generate', id, prompts, tokens_to_generate: params.tokensToGenerate, temperature: params.temperature,
@@ -90,7 +93,7 @@ export const useGenerationStore = defineStore('generation', () => {
         }
         break;
       case 'pca':
-        if (run && run.id === message.id) pca.value = message;
+        if (run && run.id === message.id) pcas.value = [...pcas.value, message];
         break;
       case 'generation_done':
         if (run && run.id === message.id) {
@@ -118,5 +121,5 @@ export const useGenerationStore = defineStore('generation', () => {
     return lens.value.get(`${promptIndex}|${step}`);
   }
 
-  return { params, capture, current, history, lens, pca, selected, comparison, generate, handle, lensFor };
+  return { params, capture, current, history, lens, pcas, pcaLayer, pca, selected, comparison, generate, handle, lensFor };
 });

@@ -14,6 +14,20 @@ export function targetsFor(kind: PerturbationKind, declared: DeclaredTargets): s
   return declared[kind] ?? [];
 }
 
+// Where a constant becomes the same shift of every hidden value of a token, which reaches the rest of the
+// model only through a LayerNorm: the residual stream (system), what is added to it (calculation embed,
+// attn.out, mlp.out), and the weights that write it (storage embed, attn.proj, mlp.fc2: x (W + c) adds
+// c * sum(x) to every output; a tied output layer's logits shift alike, which the softmax ignores).
+const READ_THROUGH_NORMS: Partial<Record<PerturbationKind, string[]>> = {
+  system: ['resid'], calculation: ['embed', 'attn.out', 'mlp.out'], storage: ['embed', 'attn.proj', 'mlp.fc2'],
+};
+
+/** Whether a LayerNorm model undoes this perturbation: the next LayerNorm subtracts the mean of the hidden
+ *  values, and with it any shift of all of them alike (an RMSNorm model feels it). */
+export function removedByLayerNorm(p: Pick<Perturbation, 'kind' | 'target' | 'noise'>): boolean {
+  return p.noise === 'constant' && (READ_THROUGH_NORMS[p.kind] ?? []).includes(p.target);
+}
+
 export const usePerturbationsStore = defineStore('perturbations', () => {
   const draft = ref<Perturbation[]>([]);
   const active = ref<Perturbation[]>([]);
