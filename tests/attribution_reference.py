@@ -90,6 +90,7 @@ def check(model, chosen):
                                    rtol=1e-9, atol=1e-12)
         for name in ("embed", "final_norm_bias"):
             assert abs(getattr(result, name) - float(reference[name][row])) < 1e-9, name
+        assert all(result.attn_bias) and (result.final_norm_bias != 0) == (model.config.normalization == "LayerNorm")
     return len(results)
 
 
@@ -98,6 +99,11 @@ def main():
     for normalization, flags in (("RMSNorm", []), ("LayerNorm", ["--untie-embeddings-and-output-weights"])):
         _, chunks = build([*sys.argv[1:], "--normalization", normalization, *flags])
         model = chunks[0].double().eval()
+        with torch.no_grad():  # biases start at 0 and norm weights at 1: make every part of the logit count
+            generator = torch.Generator().manual_seed(1)
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias") or "layernorm" in name:
+                    parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
         argmax = model(PROMPTS, torch.arange(PROMPTS.size(1)).expand_as(PROMPTS), None)[:, -1].argmax(-1)
         checked = check(model, argmax) + check(model, torch.tensor([7, 99]))  # the likeliest and unlikely ones
         print(json.dumps({"norm": normalization, "checked": checked}), flush=True)
