@@ -349,7 +349,7 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
     first, replies = run(client())
     frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
     normalised = {"hooks": ["resid_post"], "layers": [0, 1], "tokens": None, "reduction": "norm", "reductions": {},
-                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0}  # every default filled in
+                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0, "attribution": False}  # every default filled in
     assert {"type": "capture_set", "capture": normalised} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
 
