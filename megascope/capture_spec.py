@@ -7,7 +7,7 @@ from megascope.errors import ProtocolError, within
 from megascope.hooks import HOOK_NAMES, HOOK_POINTS, hook_point
 from megascope.reductions import Reduction
 
-_FIELDS = ("hooks", "layers", "tokens", "reduction", "reductions", "topk", "logit_lens", "pca", "sample")
+_FIELDS = ("hooks", "layers", "tokens", "reduction", "reductions", "topk", "logit_lens", "pca", "sample", "attribution")
 MAX_TOPK = 100
 
 
@@ -52,6 +52,7 @@ class CaptureSpec:
     logit_lens: bool = False
     pca: PcaRequest | None = None
     sample: int = 0
+    attribution: bool = False  # direct logit attribution of each generated token (megascope/attribution.py)
 
     @classmethod
     def from_json(cls, obj):
@@ -80,6 +81,9 @@ class CaptureSpec:
         logit_lens = obj.get("logit_lens", False)
         if not isinstance(logit_lens, bool):
             raise _bad("logit_lens must be true or false", "logit_lens")
+        attribution = obj.get("attribution", False)
+        if not isinstance(attribution, bool):
+            raise _bad("attribution must be true or false", "attribution")
         pca = _pca(obj.get("pca"), hooks)
         pca_reduction = None if pca is None else per_hook.get(pca.hook, reduction)
         if pca_reduction is not None and str(pca_reduction) != "none":
@@ -88,7 +92,7 @@ class CaptureSpec:
         return cls(hooks=tuple(dict.fromkeys(hooks)), layers=_range(obj.get("layers"), "layers"),
                    tokens=_range(obj.get("tokens"), "tokens"), reduction=reduction, reductions=per_hook,
                    topk=_int(obj.get("topk", 5), "topk", 1, MAX_TOPK), logit_lens=logit_lens,
-                   pca=pca, sample=_int(obj.get("sample", 0), "sample"))
+                   pca=pca, sample=_int(obj.get("sample", 0), "sample"), attribution=attribution)
 
     def check_layers(self, num_layers):
         """The layer numbers against a model of ``num_layers`` layers (from_json cannot know the model)."""
@@ -106,7 +110,7 @@ class CaptureSpec:
                 "reductions": {hook: str(r) for hook, r in self.reductions.items()}, "topk": self.topk,
                 "logit_lens": self.logit_lens,
                 "pca": None if self.pca is None else {"hook": self.pca.hook, "layer": self.pca.layer},
-                "sample": self.sample}
+                "sample": self.sample, "attribution": self.attribution}
 
     def reduction_for(self, hook):
         return self.reductions.get(hook, self.reduction)

@@ -1,6 +1,8 @@
-"""The two collectives MegaScope needs: gather tensor-parallel shards, and send objects to one rank."""
+"""The collectives MegaScope needs: gather tensor-parallel shards, send objects to one rank, and hand the last
+pipeline stage's tensor to every stage."""
 
 import torch
+from megatron.core import parallel_state
 
 
 def all_gather_along(tensor, dim, group):
@@ -22,3 +24,14 @@ def gather_objects(obj, group, dst_index):
     received = [None] * len(ranks) if torch.distributed.get_rank() == ranks[dst_index] else None
     torch.distributed.gather_object(obj, received, dst=ranks[dst_index], group=group)
     return received
+
+
+def broadcast_from_last_stage(tensor, shape, dtype, device):
+    """The last pipeline stage's ``tensor`` on every stage of this rank's pipeline group (the other stages pass
+    None); as is without pipeline parallelism."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    buffer = torch.empty(shape, dtype=dtype, device=device) if tensor is None else tensor.to(device, dtype).contiguous()
+    torch.distributed.broadcast(buffer, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                group=parallel_state.get_pipeline_model_parallel_group())
+    return buffer

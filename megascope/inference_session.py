@@ -15,6 +15,7 @@ import threading
 import numpy as np
 import torch
 
+from megascope.attribution import Attribution
 from megascope.capture import Capture
 from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
@@ -45,6 +46,7 @@ class ScopeObserver(NoObserver):
         self.session = session
         self.spec = parse_capture(scope["capture"], args.num_layers)
         self.capture = None
+        self.attribution = None
         self.pca_vectors = {}  # layer -> [(prompt_index, token_start, values [tokens, hidden])] of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
@@ -70,20 +72,26 @@ class ScopeObserver(NoObserver):
 
     # -- capture around each forward --
     def forward(self, index, start, end):
-        if self.spec is None:
-            return contextlib.nullcontext()
-        self.capture = Capture(self.model, self.spec, self.args)
-        return self.capture
+        hooks = contextlib.ExitStack()
+        if self.spec is not None:
+            self.capture = hooks.enter_context(Capture(self.model, self.spec, self.args))
+            if self.spec.attribution:
+                self.attribution = hooks.enter_context(Attribution(self.model))
+        return hooks
 
     def step_done(self, step):
-        records = self.capture.collect(step=step.index, token_offset=step.start) if self.spec is not None else []
-        self.capture = None
+        records = self.capture.collect(step=step.index, token_offset=step.start) if self.capture is not None else []
+        attributions = [] if self.attribution is None else self.attribution.collect(step.draw.tokens, step.sampled,
+                                                                                     step.end)
+        self.capture = self.attribution = None
         self.steps_read = (step.index + 1, step.end)
         if self.client is None:
             return
         # a finished prompt's row is streamed up to its last token, then it is padding, not text
         windows = {row: (0, position + 1) for row, position in self.last_position.items()}
         self._stream(records, step.index, windows, {row: step.end - 1 for row in range(len(step.draw.tokens))})
+        for attribution in attributions:
+            self.client.send_data(attribution.data_frame(self.id, step.index))
         self.last_position.update({row: step.end for row in step.finished})
         self._send_tokens(step)
 

@@ -83,6 +83,9 @@ class TrainingSession:
         if spec.sample >= samples:
             raise ProtocolError("bad_field", f"sample {spec.sample} is beyond the {samples} samples of an "
                                 "iteration on the first data-parallel replica", "capture.sample")
+        if spec.attribution:
+            raise ProtocolError("bad_field", "attribution explains the tokens a generation chooses; training chooses "
+                                "none: use it with the text generation server", "capture.attribution")
         return spec
 
     def _has_client(self):

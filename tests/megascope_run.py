@@ -1,5 +1,5 @@
-"""torchrun worker: capture every hook of a tiny GPT (full forward, and a KV-cache decode step), then the
-perturbation phases (megascope_perturbation_phases.py), and save rank 0's results to OUT_DIR/saved.pt.
+"""torchrun worker: capture every hook of a tiny GPT (full forward, and a KV-cache decode step), the direct logit
+attribution of two chosen tokens at the last position, then the perturbation phases (megascope_perturbation_phases.py), and save rank 0's results to OUT_DIR/saved.pt.
 Usage: megascope_run.py OUT_DIR <pretrain_gpt flags>."""
 
 import sys
@@ -10,10 +10,12 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megascope_model import build, capture, forward
 from megascope_perturbation_phases import perturbation_phases
 
+from megascope.attribution import Attribution
 from megascope.capture import CaptureSpec
 from megascope.hooks import HOOK_NAMES
 
 PROMPT_TOKENS, DECODE_AT = 12, 9
+CHOSEN = torch.tensor([7, 42])  # the tokens whose logits are attributed, one per prompt
 
 
 def main():
@@ -26,6 +28,9 @@ def main():
     saved = {"capture": {}}
     with torch.no_grad():
         saved["capture"]["full"] = capture(chunks, spec, tokens)
+        with Attribution(chunks) as attribution:
+            forward(chunks, tokens)
+            saved["attribution"] = attribution.collect(CHOSEN, [0, 1], PROMPT_TOKENS)
         # Megatron runs no KV-cache decode under sequence parallelism (one token cannot be split).
         if not args.sequence_parallel:
             # KV cache: prefill the first DECODE_AT tokens, then one decode step of the next token.

@@ -123,6 +123,9 @@ def test_pause_step_resume_stop_capture_and_perturb_between_iterations(tmp_path)
         job.send({"type": "set_capture", "capture": {"hooks": ["resid_post"], "reduction": "bins(zero)"}})
         error = job.until(lambda m: m["type"] == "error")[-1]
         assert (error["code"], error["field"]) == ("bad_reduction", "capture.reduction")
+        job.send({"type": "set_capture", "capture": {"hooks": [], "attribution": True}})  # no token is chosen here
+        error = job.until(lambda m: m["type"] == "error")[-1]
+        assert (error["code"], error["field"]) == ("bad_field", "capture.attribution")
         noise = {"id": "n", "kind": "storage", "target": "attn.qkv", "noise": "gaussian", "scale": 0.01, "seed": 1}
         job.send({"type": "perturb", "perturbations": [noise]})
         assert job.until(lambda m: m["type"] == "perturbations")[-1]["active"][0]["target"] == "attn.qkv"

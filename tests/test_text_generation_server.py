@@ -97,6 +97,8 @@ def test_websocket_errors_and_the_server_goes_on(server):
                                       ('{"type": "generate", "id": 1, "prompts": [3]}', "bad_field", "prompts"),
                                       ('{"type": "generate", "id": 2, "prompts": ["x"], "top_k": 99999}',
                                        "bad_field", "top_k"),
+                                      ('{"type": "generate", "id": 3, "prompts": ["x"], "capture": {"attribution": 1}}',
+                                       "bad_field", "capture.attribution"),
                                       ('{"type": "cancel", "id": "nothing"}', "bad_field", "id")]:
                 await ws.send(text)
                 error = await receive(ws)
@@ -279,6 +281,40 @@ def test_pca_covers_exactly_every_token_of_each_prompt_and_equals_numpys_svd(ser
     assert ordered[0]["points"] != pca["points"]
 
 
+ATTRIBUTION = {"hooks": [], "attribution": True}
+
+
+def attributed(server, token=None):
+    """Messages of SAMPLED with ATTRIBUTION, and its attribution frames by (step, prompt index)."""
+    async def client():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 1, "token": token})
+            assert (await receive(ws))["type"] == "welcome"
+            return await generation(ws, {"type": "generate", "capture": ATTRIBUTION, **SAMPLED})
+    messages, frames = run(client())
+    assert messages[-1]["type"] == "generation_done", messages[-1]
+    return messages, {(h["step"], h["prompt_index"]): (h, v) for h, v in map(decode_data_frame, frames)}
+
+
+def test_attribution_streams_the_parts_of_each_generated_tokens_logit(server):
+    messages, frames = attributed(server, TOKEN)
+    chosen, position = {}, [len(prompt) for prompt in messages[0]["prompt_tokens"]]
+    for message in (m for m in messages if m["type"] == "token"):
+        for token in message["tokens"]:
+            chosen[(message["step"], token["prompt_index"])] = (token["token_id"], position[token["prompt_index"]])
+            position[token["prompt_index"]] += 1
+    # one frame per generated token (the fixture's small send queue may drop some: they are counted)
+    assert len(chosen) == 12 and len(frames) + messages[-1]["dropped_frames"] == len(chosen) and frames.keys() <= chosen.keys()
+    for key, (header, values) in frames.items():
+        token_id, at = chosen[key]
+        assert (header["hook"], header["token_id"], header["tokens"], header["dtype"]) == \
+            ("attribution", token_id, [at, at + 1], "float32")
+        assert header["dims"] == ["token", "layer", "component"] and values.shape == (1, 4, 4 + 1)
+        assert len(header["attn_bias"]) == 4
+        parts = values.astype(np.float64).sum() + header["embed"] + sum(header["attn_bias"]) + header["final_norm_bias"]
+        assert parts == pytest.approx(header["logit"], abs=1e-4 * max(1.0, abs(header["logit"])))
+
+
 def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
     reference = server.put(SAMPLED)[1]["tokens"]
     pipeline = GenerationServer(2, TINY_SERVER + ["--pipeline-model-parallel-size", "2"])
@@ -296,6 +332,14 @@ def test_pipeline_of_two_serves_the_same_tokens_and_captures(server):
                 compared += 1
         assert compared > 0 and {h["layer"] for h, _ in frames} == {1, 2}
         assert perturbed(pipeline)[0] == perturbed(server, TOKEN)[0]  # the same noise at both layouts
+        # the attribution of layers on the first stage reaches the last stage's chosen token exactly
+        one_stage, two_stages = attributed(server, TOKEN)[1], attributed(pipeline)[1]
+        assert len(two_stages) == 12 and one_stage.keys() <= two_stages.keys()
+        for key, (header, values) in one_stage.items():
+            other, other_values = two_stages[key]
+            np.testing.assert_allclose(other_values, values, rtol=1e-4, atol=1e-4)
+            for name in ("token_id", "logit", "embed", "attn_bias", "final_norm_bias"):
+                assert other[name] == pytest.approx(header[name], rel=1e-4, abs=1e-4), name
     finally:
         pipeline.stop()
 
@@ -316,7 +360,7 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
     first, replies = run(client())
     frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
     normalised = {"hooks": ["resid_post"], "layers": [0, 1], "tokens": None, "reduction": "norm", "reductions": {},
-                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0}  # every default filled in
+                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0, "attribution": False}  # every default filled in
     assert {"type": "capture_set", "capture": normalised} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
 

@@ -1,7 +1,8 @@
 // End-to-end, inference mode, against the real backend (tools/run_text_generation_server.py with
 // --enable-ws-server): connect, two prompts, 8 tokens, tokens equal to the REST answer for the same seed,
-// attention canvas painted with masked (future) keys blank, one PCA point per token and every captured
-// layer's PCA a choice away, a perturbation changes the tokens and removing it restores them, every
+// attention canvas painted with masked (future) keys blank, the logit attribution of every generated token
+// as a layers x (heads + MLP) heatmap whose parts add up to the logit, one PCA point per token and every
+// captured layer's PCA a choice away, a perturbation changes the tokens and removing it restores them, every
 // perturbation target the page offers is taken by the server; a 50-token generation keeps its attention
 // labels (every k-th) and each row on its own scale reaches the top color. Screenshots of every view.
 //   MEGASCOPE_HTTP=http://127.0.0.1:5000 MEGASCOPE_WS=ws://127.0.0.1:5001/ node e2e/inference.mjs
@@ -13,6 +14,8 @@ const PROMPTS = ['The quick brown fox', 'Once upon a time there'];
 const TOKENS = 8;
 const SEED = 1234;
 const LONG_TOKENS = 50;
+const LAYERS = 4;  // the tiny model test_megascope_page.py serves (TINY_SERVER)
+const HEADS = 4;
 
 async function generateAndRead(page) {
   await page.click('[data-test=tab-generate]');
@@ -77,6 +80,7 @@ async function main() {
     await screenshot(page, 'error');
     await page.click('[data-test=dismiss-errors]');
     await page.fill('[data-test=temperature]', '1');
+    await page.check('[data-test=attribution]');
     const baseline = await generateAndRead(page);
     check(baseline.every((s) => s.generated.length === TOKENS || s.generated.length > 0), `tokens missing: ${JSON.stringify(baseline)}`);
 
@@ -111,6 +115,40 @@ async function main() {
     await screenshot(page, 'attention');
     await page.selectOption('[data-test=attn-head]', 'all');
     await screenshot(page, 'attention_heads');
+
+    // Logit attribution: every generated token of both prompts has its layers x (heads + MLP) map, and its
+    // parts add up to its logit.
+    await page.click('[data-test=tab-attribution]');
+    const attributed = '[data-test=attribution-canvas] canvas.heatmap-canvas';
+    const seen = [];
+    for (let p = 0; p < PROMPTS.length; p++) {
+      await page.selectOption('[data-test=attribution-prompt]', String(p));
+      for (let t = 0; t < baseline[p].generated.length; t++) {
+        await page.selectOption('[data-test=attribution-token]', String(t));
+        const position = String(baseline[p].prompt.length + t);  // the view shows the token chosen once it has redrawn
+        const parts = await page.waitForSelector(`[data-test=attribution-parts][data-position="${position}"]`);
+        const [rows, cols, id, logit, sum] = await Promise.all(['data-rows', 'data-cols', 'data-token-id', 'data-logit', 'data-sum']
+          .map((a) => parts.getAttribute(a).then(Number)));
+        check(id === baseline[p].generated[t], `prompt ${p} token ${t}: the attribution is of token ${id}, the page shows ${baseline[p].generated[t]}`);
+        check(rows === LAYERS && cols === HEADS + 1, `prompt ${p} token ${t}: the attribution is ${rows} x ${cols}, not ${LAYERS} layers x ${HEADS} heads + MLP`);
+        check(Math.abs(sum - logit) <= 1e-3 * Math.max(1, Math.abs(logit)), `prompt ${p} token ${t}: the parts add up to ${sum}, its logit is ${logit}`);
+        seen.push(logit);
+      }
+    }
+    check(new Set(seen).size > 1, `every generated token shows the same logit ${seen[0]}: the view does not follow the token chosen`);
+    // the heatmap draws on a later animation frame: wait until it has painted, or fail after 10 s
+    const painting = await page.waitForFunction((s) => {
+      const canvas = document.querySelector(s);
+      if (!canvas || canvas.width === 0) return false;
+      const { data } = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height);
+      let painted = 0;
+      for (let i = 0; i < data.length; i += 4) if (data[i] < 250 || data[i + 1] < 250 || data[i + 2] < 250) painted += 1;
+      return painted > 1000;
+    }, attributed, { timeout: 10000 }).catch(() => null);
+    check(painting, `the attribution heatmap canvas has ${await paintedPixels(page, attributed)} non-background pixels`);
+    await page.hover(attributed, { position: { x: 300, y: 40 } });
+    await screenshot(page, 'attribution');
+    console.log(`attribution: ${seen.length} tokens, ${LAYERS} layers x ${HEADS} heads + MLP, parts add up to the logits`);
 
     await page.click('[data-test=tab-pca]');
     // One point per token the model read: every prompt token and generated token, except that the last

@@ -14,9 +14,10 @@ describe('capture choices', () => {
 
   it('builds a CaptureSpec with short hook names, per-hook reductions and a PCA layer only for per-layer hooks', () => {
     expect(captureHookNames(HOOKS)).toEqual(['embed', 'ln1', 'attn.q', 'attn.pattern', 'resid_post', 'final_norm', 'logits']);
-    const base = { hooks: ['attn.q', 'embed'], allLayers: false, layerStart: 1, layerEnd: 3, reduction: 'bins(8)', perHook: { embed: 'norm', 'attn.q': '' }, topk: 3, logitLens: true, pcaHook: 'resid_post', pcaLayer: 2 };
+    const base = { hooks: ['attn.q', 'embed'], allLayers: false, layerStart: 1, layerEnd: 3, reduction: 'bins(8)', perHook: { embed: 'norm', 'attn.q': '' }, topk: 3, logitLens: true, pcaHook: 'resid_post', pcaLayer: 2, attribution: true };
     expect(buildCaptureSpec(base, HOOKS)).toEqual({
       hooks: ['attn.q', 'embed'], layers: [1, 3], tokens: null, reduction: 'bins(8)', reductions: { embed: 'norm' }, topk: 3, logit_lens: true, pca: { hook: 'resid_post', layer: 2 },
+      attribution: true,
     });
     expect(buildCaptureSpec({ ...base, allLayers: true, pcaHook: 'final_norm' }, HOOKS).pca).toEqual({ hook: 'final_norm', layer: null });
     // a per-layer hook's PCA of every captured layer: one pca message per layer

@@ -38,6 +38,7 @@ export interface CaptureChoices {
   logitLens: boolean;
   pcaHook: string;                   // '' = no PCA
   pcaLayer: number | null;           // null: every captured layer (the PCA tab then switches layers)
+  attribution: boolean;
 }
 
 export function buildCaptureSpec(choices: CaptureChoices, declaredHooks: string[]): CaptureSpec {
@@ -52,5 +53,6 @@ export function buildCaptureSpec(choices: CaptureChoices, declaredHooks: string[
     topk: choices.topk,
     logit_lens: choices.logitLens,
     pca: choices.pcaHook ? { hook: choices.pcaHook, layer: isPerLayer(choices.pcaHook, declaredHooks) ? choices.pcaLayer : null } : null,
+    attribution: choices.attribution,
   };
 }

@@ -37,6 +37,8 @@ export interface CaptureSpec {
   logit_lens: boolean;
   pca: { hook: string; layer: number | null } | null;
   sample?: number;
+  /** Direct logit attribution of every generated token (inference only). */
+  attribution?: boolean;
 }
 
 export type PerturbationKind = 'storage' | 'calculation' | 'system';

@@ -39,7 +39,7 @@ export const useGenerationStore = defineStore('generation', () => {
     prompts: ['The quick brown fox', 'Once upon a time'], tokensToGenerate: 8, temperature: 1, topK: 0, topP: 0, seed: 1234, addBos: false,
   });
   const capture = reactive<CaptureChoices>({
-    hooks: [], allLayers: true, layerStart: 0, layerEnd: 1, reduction: 'none', perHook: {}, topk: 5, logitLens: false, pcaHook: '', pcaLayer: null,
+    hooks: [], allLayers: true, layerStart: 0, layerEnd: 1, reduction: 'none', perHook: {}, topk: 5, logitLens: false, pcaHook: '', pcaLayer: null, attribution: false,
   });
   const current = ref<Generation | null>(null);
   const history = ref<Generation[]>([]);

@@ -1,5 +1,7 @@
 // Routes what the connection receives to the stores that keep it.
 import type { Pinia } from 'pinia';
+import { isAttributionFrame } from '../lib/attribution';
+import { useAttributionStore } from './attribution';
 import { useCapturesStore } from './captures';
 import { useConnectionStore } from './connection';
 import { useGenerationStore } from './generation';
@@ -12,11 +14,15 @@ export function wireStores(pinia: Pinia): void {
   const perturbations = usePerturbationsStore(pinia);
   const training = useTrainingStore(pinia);
   const captures = useCapturesStore(pinia);
+  const attribution = useAttributionStore(pinia);
   connection.onMessage((message) => {
-    if (message.type === 'generation_started') captures.clear();
+    if (message.type === 'generation_started') {
+      captures.clear();
+      attribution.clear();
+    }
     generation.handle(message);
     perturbations.handle(message);
     training.handle(message);
   });
-  connection.onData((frame) => captures.add(frame));
+  connection.onData((frame) => (isAttributionFrame(frame) ? attribution.add(frame) : captures.add(frame)));
 }
