@@ -66,7 +66,8 @@ def _refused_write(error, directory):
     """Why ``directory`` takes no more data, if that is what ``error`` came of: the error's own reason where it
     is an OSError of a refused write, else that of a trial write there (torch's and safetensors' writers report
     a failed write as a RuntimeError or an error of their own, without its errno). None if writing works."""
-    if isinstance(error, OSError) and error.errno in _REFUSED_WRITES:
+    if (isinstance(error, OSError) and error.errno in _REFUSED_WRITES
+            and (error.filename is None or os.fsdecode(error.filename).startswith(directory))):  # not an input's
         return error.strerror
     trial = os.path.join(directory, ".write-check")
     try:
