@@ -371,13 +371,19 @@ def _blocked_conversion(hf_dir, out):
         while True:
             os.write(write_end, b"\n" * 4096)
     os.set_blocking(write_end, True)  # the child shares the flag: it must wait, not fail
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / CONVERT), "--model-type", "GPT", "--loader", "llama_mistral", "--saver", "core",
-         "--load-dir", str(hf_dir), "--save-dir", str(out), "--target-tensor-parallel-size", "2",
-         "--target-pipeline-parallel-size", "2"],
-        cwd=REPO, env=child_env({"MASTER_PORT": str(free_port())}), stdout=write_end, stderr=subprocess.PIPE,
-        text=True)
-    os.close(write_end)
+    # A suite started in the background by a script ignores SIGINT, and a child would inherit that; a child
+    # of a process that handles it starts with the default.
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, str(REPO / CONVERT), "--model-type", "GPT", "--loader", "llama_mistral", "--saver",
+             "core", "--load-dir", str(hf_dir), "--save-dir", str(out), "--target-tensor-parallel-size", "2",
+             "--target-pipeline-parallel-size", "2"],
+            cwd=REPO, env=child_env({"MASTER_PORT": str(free_port())}), stdout=write_end, stderr=subprocess.PIPE,
+            text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        os.close(write_end)
     return process, read_end
 
 

@@ -151,7 +151,9 @@ class StagingDirectory:
     def removed_on_signals(self) -> Iterator[None]:
         """SIGTERM and SIGINT remove it and end the process with one line (exit code 128 + the signal)."""
         try:
-            previous = {number: signal.signal(number, self._on_signal) for number in _HANDLED_SIGNALS}
+            # A signal the process was started ignoring (SIGINT of a job started with & by a script) stays ignored.
+            previous = {number: signal.signal(number, self._on_signal) for number in _HANDLED_SIGNALS
+                        if signal.getsignal(number) is not signal.SIG_IGN}
         except ValueError:  # not the main thread, where Python runs handlers: signals keep their handlers
             previous = {}
         try:
