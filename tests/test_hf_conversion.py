@@ -2,37 +2,63 @@
 at the converted layout and at others, fine-tune from where the HF model is, convert back to the same
 tensors, and bad input is one line with exit code 2."""
 
+import contextlib
+import fcntl
 import glob
 import json
 import math
+import os
 import re
 import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
+from hf_tokenizer import write_word_tokenizer
+from launch import (
+    REPO,
+    assert_succeeded,
+    child_env,
+    free_port,
+    kill_process_tree,
+    lm_losses,
+    run_script,
+    torchrun,
+)
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 from safetensors.torch import load_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
+from megatron.training.errors import UserError
 from megatron.training.tokenizer.build import vocab_size_with_padding
 
-from hf_tokenizer import write_word_tokenizer
-from launch import assert_succeeded, lm_losses, run_script, torchrun
+sys.path.insert(0, str(REPO / "tools/checkpoint"))
+from output_dir import written_atomically
 
 VOCAB = 300  # not a multiple of 128: the converted embedding carries padding rows
-SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, tie_word_embeddings=False)
-LLAMA3 = (LlamaConfig, LlamaForCausalLM, dict(
-    max_position_embeddings=16384, rope_theta=500000.0,
-    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}))
-QWEN2 = (Qwen2Config, Qwen2ForCausalLM, dict(max_position_embeddings=256, rope_theta=1000000.0))
+SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": VOCAB, "tie_word_embeddings": False}
+LLAMA3 = (LlamaConfig, LlamaForCausalLM, {
+    "max_position_embeddings": 16384, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192}})
+QWEN2 = (Qwen2Config, Qwen2ForCausalLM, {"max_position_embeddings": 256, "rope_theta": 1000000.0})
 # As small Qwen2 models are: the output layer is the embedding.
-QWEN2_TIED = (Qwen2Config, Qwen2ForCausalLM, dict(max_position_embeddings=256, rope_theta=1000000.0,
-                                                   tie_word_embeddings=True))
-MISTRAL = (MistralConfig, MistralForCausalLM, dict(max_position_embeddings=256, rope_theta=1000000.0,
-                                                   sliding_window=None))
+QWEN2_TIED = (Qwen2Config, Qwen2ForCausalLM, {"max_position_embeddings": 256, "rope_theta": 1000000.0,
+                                              "tie_word_embeddings": True})
+MISTRAL = (MistralConfig, MistralForCausalLM, {"max_position_embeddings": 256, "rope_theta": 1000000.0,
+                                               "sliding_window": None})
 PROMPTS = [[5, 17, 3, 250, 42, 42, 7, 99], [280, 1, 64, 64, 12, 9, 150, 31], [8, 8, 8, 200, 77, 3, 14, 299]]
 NEW_TOKENS = 16
 CONVERT = "tools/checkpoint/convert.py"
@@ -268,8 +294,8 @@ def test_bad_layouts_and_an_existing_checkpoint_are_one_line_and_nothing_is_over
         "convert.py: error: --target-pipeline-parallel-size 3 does not divide the model's 4 layers"]
     before = sorted(p.name for p in (root / "megatron").iterdir())
     assert _convert_error(root / "hf", root / "megatron") == [
-        f"convert.py: error: --save-dir {root / 'megatron'} already holds a checkpoint; it is never "
-        f"overwritten: name a new directory"]
+        (f"convert.py: error: --save-dir {root / 'megatron'} already holds a checkpoint; it is never "
+        f"overwritten: name a new directory")]
     assert sorted(p.name for p in (root / "megatron").iterdir()) == before
     assert not (tmp_path / "out").exists()
 
@@ -287,17 +313,17 @@ def test_missing_or_unsupported_input_is_one_line_naming_it(llama3, tmp_path):
     no_weights.mkdir()
     shutil.copy(root / "hf" / "config.json", no_weights)
     assert _convert_error(no_weights, out) == [
-        f"convert.py: error: --load-dir {no_weights}: no model.safetensors nor model.safetensors.index.json "
-        f"(only safetensors checkpoints are read)"]
+        (f"convert.py: error: --load-dir {no_weights}: no model.safetensors nor model.safetensors.index.json "
+        f"(only safetensors checkpoints are read)")]
     lacking_a_shard = tmp_path / "lacking_a_shard"
     shutil.copytree(root / "hf", lacking_a_shard)
-    last_shard = sorted(lacking_a_shard.glob("model-*.safetensors"))[-1]
+    last_shard = max(lacking_a_shard.glob("model-*.safetensors"))
     last_shard.unlink()
     assert _convert_error(lacking_a_shard, out) == [
         f"convert.py: error: --load-dir {lacking_a_shard}: {last_shard.name} is listed in the index but missing"]
     damaged = tmp_path / "damaged"
     shutil.copytree(root / "hf", damaged)
-    shard = sorted(damaged.glob("model-*.safetensors"))[-1]
+    shard = max(damaged.glob("model-*.safetensors"))
     content = shard.read_bytes()
     header = json.loads(content[8:8 + int.from_bytes(content[:8], "little")])
     header.pop("__metadata__", None)
@@ -314,22 +340,127 @@ def test_missing_or_unsupported_input_is_one_line_naming_it(llama3, tmp_path):
     config = json.loads((misdescribed / "config.json").read_text())
     (misdescribed / "config.json").write_text(json.dumps({**config, "intermediate_size": 128}))
     assert _convert_error(misdescribed, out) == [
-        "convert.py: error: model.layers.0.mlp.gate_proj.weight has shape (96, 64), which does not fit the model "
-        "config.json describes (decoder.layers.mlp.linear_fc1.weight (128, 64))"]
+        ("convert.py: error: model.layers.0.mlp.gate_proj.weight has shape (96, 64), which does not fit the model "
+        "config.json describes (decoder.layers.mlp.linear_fc1.weight (128, 64))")]
     windowed = tmp_path / "windowed"  # Mistral's sliding window was dropped: logits diverged past it
     shutil.copytree(root / "hf", windowed)
     (windowed / "config.json").write_text(json.dumps({**config, "architectures": ["MistralForCausalLM"],
                                                       "sliding_window": 8}))
     assert _convert_error(windowed, out) == [
-        f"convert.py: error: {windowed / 'config.json'}: sliding-window attention (sliding_window 8, "
+        (f"convert.py: error: {windowed / 'config.json'}: sliding-window attention (sliding_window 8, "
         f"max_position_embeddings {config['max_position_embeddings']}) is not supported: the converted model "
-        f"would attend beyond the window"]
+        f"would attend beyond the window")]
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
     (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     assert _convert_error(gpt2, out) == [
-        f"convert.py: error: {gpt2 / 'config.json'}: architecture GPT2LMHeadModel is not supported; "
-        f"supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"]
+        (f"convert.py: error: {gpt2 / 'config.json'}: architecture GPT2LMHeadModel is not supported; "
+        f"supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM")]
     assert _convert_error(empty, out, loader="core", saver="hf") == [
         f"convert.py: error: --load-dir {empty} holds no checkpoint (no latest_checkpointed_iteration.txt)"]
     assert not out.exists()
+
+
+def _blocked_conversion(hf_dir, out):
+    """A conversion whose stdout is a full pipe: it blocks on its first progress line, which it prints while
+    writing in its staging directory, and stays there until signalled (it cannot end first)."""
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETPIPE_SZ, 4096)  # the smallest pipe: quick to fill
+    os.set_blocking(write_end, False)
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            os.write(write_end, b"\n" * 4096)
+    os.set_blocking(write_end, True)  # the child shares the flag: it must wait, not fail
+    # A suite started in the background by a script ignores SIGINT, and a child would inherit that; a child
+    # of a process that handles it starts with the default.
+    previous_handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        process = subprocess.Popen(
+            [sys.executable, str(REPO / CONVERT), "--model-type", "GPT", "--loader", "llama_mistral", "--saver",
+             "core", "--load-dir", str(hf_dir), "--save-dir", str(out), "--target-tensor-parallel-size", "2",
+             "--target-pipeline-parallel-size", "2"],
+            cwd=REPO, env=child_env({"MASTER_PORT": str(free_port())}), stdout=write_end, stderr=subprocess.PIPE,
+            text=True)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+        os.close(write_end)
+    return process, read_end
+
+
+def _staging_dirs(out):
+    return sorted(out.parent.glob(f".{out.name}.converting-*"))
+
+
+def _wait_for_staging_dir(process, out):
+    deadline = time.monotonic() + 300
+    while not _staging_dirs(out):
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the poll's interval: ends early if the process does
+            process.wait(timeout=0.05)
+            pytest.fail(f"the conversion into {out} ended before writing: {process.communicate()[1][-3000:]}")
+        assert time.monotonic() < deadline
+
+
+def test_an_interrupted_conversion_leaves_nothing_and_a_second_into_the_same_save_dir_refuses_at_start(
+        llama3, tmp_path):
+    """SIGTERM and Ctrl-C remove the output being written (and the folders made for it) with one line; a
+    second conversion into a --save-dir being written refuses before converting, naming the first; what a
+    SIGKILLed conversion left is removed by the next conversion into that parent, whose result is whole."""
+    root, _, _ = llama3
+    killed_out, terminated_out, interrupted_out = tmp_path / "out", tmp_path / "t" / "a" / "out", tmp_path / "i" / "out"
+    conversions = {out: _blocked_conversion(root / "hf", out) for out in (killed_out, terminated_out, interrupted_out)}
+    try:
+        for out, (process, _) in conversions.items():
+            _wait_for_staging_dir(process, out)
+        killed = conversions[killed_out][0]
+        with pytest.raises(UserError) as refused, written_atomically(str(killed_out)):
+            pytest.fail("a second conversion into the same --save-dir went on")
+        assert str(refused.value).startswith(
+            f"--save-dir {killed_out}: another conversion (pid {killed.pid} on host {socket.gethostname()}) is "
+            f"writing it, in {_staging_dirs(killed_out)[0]}; wait for it to finish or choose another --save-dir")
+        for out, number in ((terminated_out, signal.SIGTERM), (interrupted_out, signal.SIGINT)):
+            process = conversions[out][0]
+            process.send_signal(number)
+            stderr = process.communicate(timeout=60)[1]
+            assert process.returncode == 128 + number
+            assert stderr.strip().splitlines()[-1] == (f"convert.py: error: interrupted by {number.name}; nothing "
+                                                       f"was written to --save-dir {out}"), stderr[-3000:]
+        assert sorted(tmp_path.iterdir()) == [tmp_path / ".out.converting", *_staging_dirs(killed_out)]
+        killed.kill()
+        killed.wait()
+        assert _staging_dirs(killed_out)  # left behind, with the claim
+    finally:
+        for process, read_end in conversions.values():
+            if process.poll() is None:
+                kill_process_tree(process.pid)
+                process.wait()
+            os.close(read_end)
+    left = _staging_dirs(killed_out)[0]
+    result = _convert(root / "hf", killed_out, "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size",
+                      "2")
+    assert f"removed {left}, left by a conversion that no longer runs (pid {killed.pid})" in result.stdout
+    assert sorted(tmp_path.iterdir()) == [killed_out]
+    for path in (root / "megatron").rglob("*"):  # the same files as the uninterrupted conversion's
+        if path.is_file() and path.name not in (".metadata", "model_args.txt"):  # (DCP's holds a random id)
+            assert (killed_out / path.relative_to(root / "megatron")).read_bytes() == path.read_bytes(), path
+
+
+def test_a_full_disk_in_either_direction_is_one_line_and_leaves_nothing(llama3, tmp_path):
+    """A write refused midway (a file-size limit: EFBIG, which torch's and safetensors' writers report
+    without its errno, as they do ENOSPC) names --save-dir, and the output and folders made for it are gone."""
+    root, _, _ = llama3
+    forward, back = tmp_path / "forward" / "out", tmp_path / "back" / "out"
+    commands = {forward: ["--loader", "llama_mistral", "--saver", "core", "--load-dir", root / "hf"],
+                back: ["--loader", "core", "--saver", "hf", "--load-dir", root / "megatron"]}
+    limited = ["bash", "-c", 'ulimit -f 16 && exec "$@"', "bash"]  # files of at most 16 KiB
+    processes = {out: subprocess.Popen([*limited, sys.executable, str(REPO / CONVERT), "--model-type", "GPT",
+                                        *map(str, flags), "--save-dir", str(out)],
+                                       cwd=REPO, env=child_env({"MASTER_PORT": str(free_port())}),
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for out, flags in commands.items()}
+    for out, process in processes.items():
+        stderr = process.communicate(timeout=300)[1]
+        assert process.returncode == 2 and "Traceback" not in stderr, stderr[-3000:]
+        assert stderr.strip().splitlines()[-1] == (
+            f"convert.py: error: --save-dir {out}: writing in {out.parent} failed (File too large); nothing was "
+            f"written: free space there or choose another --save-dir")
+    assert list(tmp_path.iterdir()) == []

@@ -56,6 +56,11 @@ def _print_launch_error(line):
         sys.stderr.flush()
 
 
+def error_line(message: str) -> str:
+    """``<prog>: error: <message>``, the form of every line that stops a command (argparse's)."""
+    return f"{os.path.basename(sys.argv[0]) or 'megatron'}: error: {message}"
+
+
 def exit_on_user_error(main):
     """Run ``main``; a ``UserError`` becomes ``<prog>: error: <message>`` on stderr and exit code 2.
     Of a launch's ranks the first to fail prints the line; the others exit quietly."""
@@ -65,8 +70,7 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as error:
-            prog = os.path.basename(sys.argv[0]) or "megatron"
-            _print_launch_error(f"{prog}: error: {error}")
+            _print_launch_error(error_line(str(error)))
             sys.exit(2)
 
     return wrapper

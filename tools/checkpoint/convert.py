@@ -10,11 +10,13 @@
 import argparse
 import importlib
 import os
+import signal
 import sys
 
-import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
-from megatron.training.errors import ArgumentError, exit_on_user_error
 from host_memory import peak_line, resident_bytes
+
+import megatron.training  # noqa: F401  first of megatron's: quiets megatron-core's import notices
+from megatron.training.errors import ArgumentError, error_line, exit_on_user_error
 
 CONVERSIONS = {("llama_mistral", "core"): "hf_to_core", ("core", "hf"): "core_to_hf"}
 
@@ -77,4 +79,8 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C before or after the writing, which says itself what it removed
+        sys.stderr.write(error_line("interrupted by SIGINT") + "\n")
+        sys.exit(128 + signal.SIGINT)

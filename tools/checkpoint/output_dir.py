@@ -1,9 +1,12 @@
 """Where a conversion writes: never over an existing checkpoint, and all at once (atomically)."""
 
 import contextlib
+import errno
 import os
 import shutil
-import tempfile
+
+from staging import StagingDirectory
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.errors import UserError
 
@@ -26,25 +29,58 @@ def check_new_output(save_dir):
 
 @contextlib.contextmanager
 def written_atomically(save_dir):
-    """Yields a temporary directory beside ``save_dir`` that becomes ``save_dir`` when the block
-    completes; a failure leaves nothing at ``save_dir``."""
-    check_new_output(save_dir)
-    parent = os.path.dirname(os.path.abspath(save_dir))
-    os.makedirs(parent, exist_ok=True)
-    work_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(save_dir)}.converting-", dir=parent)
+    """Yields a hidden directory beside ``save_dir`` (``staging.StagingDirectory``) that becomes ``save_dir`` when
+    the block completes. A failure, SIGTERM or Ctrl-C leaves nothing; a place that takes no more data (a full
+    disk, a read-only one) is a UserError naming --save-dir."""
+    staging = StagingDirectory(save_dir)
+    with staging.removed_on_signals():
+        try:
+            staging.create()
+            check_new_output(save_dir)  # after the claim: no other conversion fills it from now on
+            try:
+                yield staging.path
+            except UserError:
+                raise
+            except (Exception, CheckpointException) as error:  # DCP wraps a failed write in a BaseException
+                reason = _refused_write(error, staging.path)
+                if reason is None:
+                    raise
+                raise UserError(f"--save-dir {save_dir}: writing in {staging.parent} failed ({reason}); nothing "
+                                f"was written: free space there or choose another --save-dir") from None
+            try:
+                staging.publish()
+            except OSError:
+                check_new_output(save_dir)  # something was put there meanwhile: says what
+                raise
+        finally:
+            staging.remove()
+
+
+# The errors of a write that the place refused: a full disk or quota, a file-size limit, a read-only or
+# forbidden place.
+_REFUSED_WRITES = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+_TRIAL_WRITE_BYTES = 8 << 20
+
+
+def _refused_write(error, directory):
+    """Why ``directory`` takes no more data, if that is what ``error`` came of: the error's own reason where it
+    is an OSError of a refused write, else that of a trial write there (torch's and safetensors' writers report
+    a failed write as a RuntimeError or an error of their own, without its errno). None if writing works."""
+    if (isinstance(error, OSError) and error.errno in _REFUSED_WRITES
+            and (error.filename is None or os.fsdecode(error.filename).startswith(directory))):  # not an input's
+        return error.strerror
+    trial = os.path.join(directory, ".write-check")
     try:
-        yield work_dir
-        os.chmod(work_dir, 0o777 & ~_umask())  # mkdtemp made it private; the result is an ordinary directory
-        os.rename(work_dir, save_dir)  # replaces an empty directory, fails on anything else
+        with open(trial, "wb") as f:
+            f.write(bytes(_TRIAL_WRITE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())  # some file systems (NFS) report a full disk only here
+    except OSError as failure:
+        return failure.strerror or str(failure)
     finally:
-        if os.path.exists(work_dir):
-            shutil.rmtree(work_dir)
-
-
-def _umask():
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(trial)
+    return None
 
 
 # What HuggingFaceTokenizer (transformers' AutoTokenizer) loads a tokenizer from: one of these in a folder.
