@@ -511,6 +511,8 @@ def test_a_bad_content_length_is_a_400_naming_it_and_no_traceback(server, length
     seen = len(server.lines)
     status, answer = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {length}", b'{"prompts": ["x"]}')
     assert (status, answer) == (400, {"error": f"Content-Length must be the body's size in bytes, not {length!r}"})
+    too_large = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {'9' * 5000}")
+    assert too_large == (413, {"error": "the body is over 1048576 bytes"})
     assert server.put({"prompts": ["x"], "tokens_to_generate": 1})[0] == 200  # the server goes on
     assert "Traceback" not in "".join(server.lines[seen:])
 

@@ -20,7 +20,7 @@ from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megatron.inference.rest")
 MAX_BODY_BYTES = 1 << 20
-_BYTE_COUNT = re.compile(r"[0-9]{1,12}")
+_BYTE_COUNT = re.compile(r"[0-9]+")
 
 
 def peer_closed(connection: socket.socket) -> bool:
@@ -73,11 +73,13 @@ class RestHandler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/api":
             return self._refuse(HTTPStatus.NOT_FOUND, "PUT /api generates; nothing else takes PUT")
         length = self.headers.get("Content-Length") or "0"
-        if not _BYTE_COUNT.fullmatch(length) or int(length) > MAX_BODY_BYTES:
+        if not _BYTE_COUNT.fullmatch(length):
             self.close_connection = True  # the body, unread, cannot be told from a next request
-            if not _BYTE_COUNT.fullmatch(length):
-                return self._refuse(HTTPStatus.BAD_REQUEST, f"Content-Length must be the body's size in bytes, "
-                                    f"not {length[:40]!r}")
+            return self._refuse(HTTPStatus.BAD_REQUEST, f"Content-Length must be the body's size in bytes, "
+                                f"not {length[:40]!r}")
+        # (its digits first: int() refuses thousands of them with a ValueError)
+        if len(length) > len(str(MAX_BODY_BYTES)) or int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
             return self._refuse(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes")
         try:
             request = parse_rest_request(load_json(self.rfile.read(int(length)) or b"null", "body"))
