@@ -39,7 +39,8 @@ class GenerationServer:
         self._new_line = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._listening.wait(timeout) or self.job.poll() is not None:
+        # Its last start-up line, not its exit: the output can end before the launcher is reaped.
+        if not self._listening.wait(timeout) or not any(line.startswith("server pid ") for line in self.lines):
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.lines[-40:]))
         output = "".join(self.lines)

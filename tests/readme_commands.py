@@ -19,14 +19,15 @@ def readme_commands(heading):
 
 def as_launched(command, replacements):
     """``command`` with ``python`` as this interpreter, ``torchrun`` as its module on a free rendezvous port
-    (tests run side by side), and each flag in ``replacements`` ({flag: value}) given that value; a flag it
+    (tests run side by side: --standalone or one chosen here), and each flag in ``replacements`` ({flag: value}) given that value; a flag it
     lacks is refused."""
     command = list(command)
     for flag, value in replacements.items():
         assert flag in command, f"README's command has no {flag}: {command}"
         command[command.index(flag) + 1] = str(value)
-    if command[0] == "torchrun":
-        command[:1] = [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port())]
+    if command[0] == "torchrun":  # a free rendezvous port, unless the command asks torchrun for one
+        rendezvous = [] if "--standalone" in command else ["--master-port", str(free_port())]
+        command[:1] = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
     elif command[0] == "python":
         command[0] = sys.executable
     return command
