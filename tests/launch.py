@@ -96,11 +96,11 @@ def run_script(script, args, env=None, timeout=120):
 _ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")
 
 
-def preempted_run(command, marker, ctrl_c=False, timeout=300):
+def preempted_run(command, marker, ctrl_c=False, env=None, timeout=300):
     """The whole output of ``command`` (a torchrun launch) once a line contains ``marker``, it was sent
     SIGTERM, as a scheduler's preemption does, or (``ctrl_c``) SIGINT to its process group, as Ctrl-C in a
     terminal does; no process is left behind if it fails first."""
-    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output = []
     try:

@@ -81,8 +81,11 @@ def test_ctrl_c_on_the_readme_training_command_saves_a_checkpoint_that_resumes_a
     subprocess.run(prepare, cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
     data, save = tmp_path / "gpt_text_document", tmp_path / "ckpt"
     train = readme_commands("Train")[0]
+    # torchrun kills ranks that have not exited 30 s after the signal (--shutdown-timeout): on a loaded CI
+    # machine the save can take longer, and a killed save leaves only iter_*.inprogress.
     log = preempted_run(as_launched(train, {"--data-path": data, "--save": save, "--train-iters": 10000}),
-                        "iteration        5/", ctrl_c=True)  # the README logs every 5 iterations
+                        "iteration        5/", ctrl_c=True,  # the README logs every 5 iterations
+                        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"})
     stopped = re.search(r"SIGINT received: stopping at iteration (\d+)", log)
     assert stopped, log[-3000:]
     assert "[rank" not in log and "KeyboardInterrupt" not in log, log[-3000:]  # no rank's traceback
