@@ -21,6 +21,7 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
 from megatron.training.model_setup import build_model
+from megatron.training.signal_handler import STOP_SIGNALS
 from megatron.training.training import build_iterators
 
 from megafbd.backward_schedule import stage_tensor_shape
@@ -37,9 +38,10 @@ class ForwardInstance:
         self.instance = instance
         self.parts = parts
         self.sigterm_received = False
-        # Preemption signals the whole job: the backward instances agree on where to stop, save, and
-        # then tell this instance to stop; this one only reports that it was signalled.
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # Preemption (SIGTERM) and Ctrl-C (SIGINT) signal the whole job: the backward instances agree on
+        # where to stop, save, and then tell this instance to stop; this one only reports that it was signalled.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self._on_sigterm)
         self.model = build_model(args, parts.model_provider, with_gradients=False)[0]
         for param in self.model.parameters():
             param.requires_grad_(False)

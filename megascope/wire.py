@@ -189,14 +189,16 @@ def check_sampling(request):
 def check_limits(request, limits, max_new_tokens):
     """Prompts and new tokens within the server's limits (``max_new_tokens``: what the model's length allows)."""
     if len(request["prompts"]) > limits.max_prompts:
-        raise ProtocolError("bad_field", f"at most {limits.max_prompts} prompts per request", "prompts")
+        raise ProtocolError("bad_field", f"at most {limits.max_prompts} prompts per request here, not "
+                            f"{len(request['prompts'])}; send the others in another request", "prompts")
     bound = min(limits.max_tokens_to_generate, max_new_tokens)
     if request["tokens_to_generate"] > bound:
         raise ProtocolError("bad_field", f"tokens_to_generate must be at most {bound} here", "tokens_to_generate")
 
 
 def parse_rest_request(obj):
-    """A Megatron-LM style PUT /api body -> the same request dict as a WebSocket generate."""
+    """A Megatron-LM style PUT /api body -> the same request dict as a WebSocket generate (the server's
+    limits, check_limits, apply to both)."""
     if not isinstance(obj, dict):
         raise ProtocolError("bad_json", "the body must be a JSON object")
     for name in REST_UNSUPPORTED:
@@ -207,8 +209,6 @@ def parse_rest_request(obj):
         raise ProtocolError("bad_field", f"unknown field {field!r}", field)
     request = check_fields(obj, REST_FIELDS)
     check_sampling(request)
-    if len(request["prompts"]) > 128:
-        raise ProtocolError("bad_field", "at most 128 prompts per request", "prompts")
     if request["tokens_to_generate"] == 0 and not request["logprobs"]:
         raise ProtocolError("bad_field", "tokens_to_generate 0 only scores prompts: set logprobs true",
                             "tokens_to_generate")

@@ -31,14 +31,16 @@ class GenerationServer:
         """torchrun of the server with ``args`` on ``nproc`` ranks, or ``command`` (e.g. an example script)."""
         command = command or torchrun_command(nproc, "tools/run_text_generation_server.py",
                                               [*args, "--port", "0", "--enable-ws-server", "--ws-port", "0"])
+        # A process group of its own, as a command started in a terminal: Ctrl-C signals that group.
         self.job = subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True)
+                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = []
         self._listening = threading.Event()
         self._new_line = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        if not self._listening.wait(timeout) or self.job.poll() is not None:
+        # Its last start-up line, not its exit: the output can end before the launcher is reaped.
+        if not self._listening.wait(timeout) or not any(line.startswith("server pid ") for line in self.lines):
             self.stop()
             raise AssertionError("the server did not start:\n" + "".join(self.lines[-40:]))
         output = "".join(self.lines)
@@ -61,11 +63,15 @@ class GenerationServer:
             return self._new_line.wait_for(lambda: any(text in line for line in self.lines), timeout)
 
     def interrupt(self, signum, pid=None, timeout=120):
-        """Send ``signum`` to ``pid`` (default: the launched process) and wait until the job and all its
-        processes have ended: (exit code, the output since the signal, the processes still alive)."""
+        """Send ``signum`` to ``pid`` (default: the launched process's group, as Ctrl-C in a terminal does) and
+        wait until the job and all its processes have ended: (exit code, the output since the signal, the
+        processes still alive)."""
         processes = psutil.Process(self.job.pid).children(recursive=True)
         seen = len(self.lines)
-        os.kill(pid or self.job.pid, signum)
+        if pid is None:
+            os.killpg(self.job.pid, signum)
+        else:
+            os.kill(pid, signum)
         try:
             self.job.wait(timeout=timeout)
             alive = psutil.wait_procs(processes, timeout=timeout)[1]

@@ -109,18 +109,22 @@ def run_script_cases(script, cases, timeout=300):
 _ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")
 
 
-def preempted_run(command, marker, timeout=300):
-    """The whole output of ``command`` (a torchrun launch) sent SIGTERM, as a scheduler's preemption does,
-    once a line contains ``marker``; no process is left behind if it fails first."""
-    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+def preempted_run(command, marker, ctrl_c=False, env=None, timeout=300):
+    """The whole output of ``command`` (a torchrun launch) once a line contains ``marker``, it was sent
+    SIGTERM, as a scheduler's preemption does, or (``ctrl_c``) SIGINT to its process group, as Ctrl-C in a
+    terminal does; no process is left behind if it fails first."""
+    launcher = subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output = []
     try:
         deadline = time.time() + timeout
         for line in launcher.stdout:
             output.append(line)
             if marker in line:
-                launcher.send_signal(signal.SIGTERM)
+                if ctrl_c:
+                    os.killpg(launcher.pid, signal.SIGINT)
+                else:
+                    launcher.send_signal(signal.SIGTERM)
                 break
             assert time.time() < deadline, "".join(output)
         output.append(launcher.communicate(timeout=timeout)[0])

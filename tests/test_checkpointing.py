@@ -1,11 +1,14 @@
-"""Checkpoints: resumable at another TP/PP with the losses of an uninterrupted run; SIGTERM saves."""
+"""Checkpoints: resumable at another TP/PP with the losses of an uninterrupted run; SIGTERM and Ctrl-C save."""
 
 import os
+import re
+import subprocess
 
 import pytest
 
-from launch import (TINY_GPT, assert_succeeded, gpt_data_args, lm_losses,
-                    preempted_run, run_script, torchrun, torchrun_command)
+from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, lm_losses, preempted_run,
+                    run_script, torchrun)
+from readme_commands import as_launched, readme_commands
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -41,20 +44,6 @@ def test_distributed_optimizer_checkpoint_in_bf16_resumes_at_another_layout(gpt_
         assert losses[iteration] == pytest.approx(uninterrupted[iteration], rel=2e-3)
 
 
-def test_sigterm_mid_run_leaves_a_loadable_checkpoint(gpt_data, tmp_path):
-    save = tmp_path / "ckpt"
-    command = torchrun_command(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
-        "--train-iters", "10000", "--tensor-model-parallel-size", "2", "--save", save,
-        "--num-workers", "2"])  # loader workers must survive the signal too
-    log = preempted_run(command, "iteration        3/")
-    assert "SIGTERM received: stopping at iteration" in log, log[-3000:]
-    saved = int((save / TRACKER).read_text())
-    assert 3 <= saved < 10000
-    resumed = _train(2, gpt_data, saved + 1, "--tensor-model-parallel-size", "2", "--load", save)
-    assert f"starting at iteration {saved}" in resumed.stdout
-    assert sorted(lm_losses(resumed.stdout)) == [saved + 1]
-
-
 def test_checkpoint_with_a_truncated_shard_is_one_line_naming_the_file_and_the_iteration_to_load(gpt_data, tmp_path):
     _train(1, gpt_data, 3, "--save", tmp_path, "--save-interval", "2")  # iterations 2 and 3
     shard = next((tmp_path / "iter_0000003").glob("*.distcp"))
@@ -80,3 +69,33 @@ def test_a_checkpoint_of_another_model_is_refused_naming_each_differing_flag(gpt
         f"pretrain_gpt.py: error: --load: {tmp_path}/iter_0000003 holds another model: "
         f"--num-attention-heads 4 there, 8 here; --num-query-groups 4 there, 8 here; --kv-channels 16 there, "
         f"8 here; --swiglu off there, on here; launch with the model flags it was saved with"]
+
+
+
+def test_ctrl_c_on_the_readme_training_command_saves_a_checkpoint_that_resumes_at_another_layout(tmp_path):
+    """Ctrl-C in a terminal (SIGINT to torchrun's process group; torchrun passes it on to every rank) used to
+    print a KeyboardInterrupt traceback per rank and save nothing; it now stops as SIGTERM does (preemption
+    by SIGTERM to torchrun: tests/test_megafbd.py). The README's own commands are run, its loader workers
+    (2 by default) included."""
+    prepare = as_launched(readme_commands("Prepare data")[0], {"--output-prefix": tmp_path / "gpt"})
+    subprocess.run(prepare, cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    data, save = tmp_path / "gpt_text_document", tmp_path / "ckpt"
+    train = readme_commands("Train")[0]
+    # torchrun kills ranks that have not exited 30 s after the signal (--shutdown-timeout): on a loaded CI
+    # machine the save can take longer, and a killed save leaves only iter_*.inprogress.
+    log = preempted_run(as_launched(train, {"--data-path": data, "--save": save, "--train-iters": 10000}),
+                        "iteration        5/", ctrl_c=True,  # the README logs every 5 iterations
+                        env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "300"})
+    stopped = re.search(r"SIGINT received: stopping at iteration (\d+)", log)
+    assert stopped, log[-3000:]
+    assert "[rank" not in log and "KeyboardInterrupt" not in log, log[-3000:]  # no rank's traceback
+    saved = int(stopped.group(1))
+    assert (save / TRACKER).read_text() == str(saved)
+    assert sorted(os.listdir(save)) == [f"iter_{saved:07d}", TRACKER]  # nothing left .inprogress
+    resumed = subprocess.run(as_launched(train, {
+        "--nproc_per_node": 2, "--pipeline-model-parallel-size": 1, "--data-path": data, "--save": tmp_path / "more",
+        "--train-iters": saved + 1, "--log-interval": 1}) + ["--load", save],
+        check=False, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert_succeeded(resumed)
+    assert f"starting at iteration {saved}" in resumed.stdout
+    assert sorted(lm_losses(resumed.stdout)) == [saved + 1]

@@ -1,10 +1,13 @@
 """Each documented launch mistake stops at start with one line on stderr and a non-zero exit."""
 
 import concurrent.futures
+import signal
+import sys
 
 import pytest
 
 from launch import REPO, TINY_GPT, gpt_data_args, run_script, run_script_cases, torchrun
+from megatron.training.errors import exit_on_user_error
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
 
@@ -135,3 +138,23 @@ def test_launch_error_appears_in_every_launch_whole_and_alike():
     for result in results:
         lines = _error_lines(result, "launch_error_entry.py")
         assert result.returncode != 0 and 1 <= len(lines) <= ranks and set(lines) == {expected}, result.stderr
+
+
+def test_ctrl_c_before_training_is_one_line_and_exit_code_130(capsys, monkeypatch):
+    """Ctrl-C during start-up (before training's agreed stop is installed) was a KeyboardInterrupt traceback per
+    rank; in-process: the wrapper every entry point uses."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    monkeypatch.delenv("RANK", raising=False)  # a plain process prints its line
+
+    @exit_on_user_error
+    def interrupted_at_start_up():
+        raise KeyboardInterrupt
+
+    sigterm = signal.getsignal(signal.SIGTERM)  # the line's printer ignores SIGTERM, as a launch's rank must
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            interrupted_at_start_up()
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert stopped.value.code == 130
+    assert capsys.readouterr().err == "pretrain_gpt.py: interrupted by SIGINT (Ctrl-C) before it finished\n"

@@ -2,19 +2,38 @@
 examples/inference/llama_mistral/run_text_generation_llama3.sh: greedy tokens equal transformers',
 and "chat": true applies the tokenizer's chat template."""
 
+import contextlib
 import json
+import socket
 import sys
 
 import pytest
 import torch
 
 from generation_server import GenerationServer
-from launch import REPO, free_port
+from launch import REPO
 from test_hf_conversion import LLAMA3, _convert, _hf_model
 
 PROMPT = [5, 17, 3, 250, 42]
 CHAT_TEMPLATE = ("{% for message in messages %}{{ bos_token }} w9 {{ message['content'] }} w8 {% endfor %}"
                  "{% if add_generation_prompt %}w7{% endif %}")
+
+
+TORCHRUN_DEFAULT_PORT = 29500
+
+
+@contextlib.contextmanager
+def _held(port):
+    """``port`` in use while the block runs: listened on here, or already by someone else."""
+    try:
+        holder = socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    except OSError:  # taken already
+        holder = None
+    try:
+        yield
+    finally:
+        if holder is not None:
+            holder.close()
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +43,13 @@ def llama(tmp_path_factory):
     (root / "hf" / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "w2", "bos_token": "w1", "chat_template": CHAT_TEMPLATE}))
     _convert(root / "hf", root / "megatron")
-    server = GenerationServer(0, [], command=[
-        "bash", str(REPO / "examples/inference/llama_mistral/run_text_generation_llama3.sh"),
-        str(root / "megatron"), str(root / "megatron" / "hf"), "--port", "0", "--ws-port", "0"],  # as documented
-        env={"DEVICE": "cpu", "MASTER_PORT": str(free_port()), "PYTHON": sys.executable})
+    # No MASTER_PORT: the script picks a free rendezvous port. It took torchrun's 29500, so a second server
+    # (or any other job there: held here while the server starts) died with torchrun's trace.
+    with _held(TORCHRUN_DEFAULT_PORT):
+        server = GenerationServer(0, [], command=[
+            "bash", str(REPO / "examples/inference/llama_mistral/run_text_generation_llama3.sh"),
+            str(root / "megatron"), str(root / "megatron" / "hf"), "--port", "0", "--ws-port", "0"],  # as documented
+            env={"DEVICE": "cpu", "PYTHON": sys.executable})
     yield model, server
     server.stop()
 

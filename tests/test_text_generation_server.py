@@ -6,6 +6,7 @@ import asyncio
 import json
 import re
 import signal
+import socket
 import sys
 import urllib.error
 import urllib.request
@@ -16,8 +17,11 @@ import pytest
 import websockets
 
 from megascope.wire import decode_data_frame
+from megatron.inference.model_setup import setup_for_generation
+from megatron.training.errors import ArgumentError
 from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
 from launch import REPO, free_port, run_script
+from readme_commands import as_launched, readme_commands
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]
@@ -435,17 +439,25 @@ def test_a_signal_mid_generation_stops_a_single_process_server_with_one_line(sig
     assert _refuses_connections(single.rest + "/api")
 
 
-def test_torchrun_ranks_stop_together_when_rank_0_or_torchrun_gets_the_signal():
-    for target in ("rank 0", "torchrun"):
-        server = GenerationServer(2, TINY_SERVER + ["--tensor-model-parallel-size", "2"])
-        code, output, alive = server.interrupt(signal.SIGTERM, server.rank0 if target == "rank 0" else None)
-        assert alive == [] and output.count("server stopped") == 1, output
-        assert not re.search(r"\[rank\d\]", output), output  # no rank says anything else (no stack trace)
-        if target == "rank 0":  # torchrun sees every rank exit 0
-            assert code == 0 and output.splitlines() == ["server stopped"], output
-        else:  # torchrun reports the signal it received in its own words
-            assert "SignalException" in output, output
-        assert _refuses_connections(server.rest + "/api")
+def _stopped_alone(server, output, alive):
+    assert alive == [] and output.count("server stopped") == 1, output
+    assert not re.search(r"\[rank\d\]", output), output  # no rank says anything else (no stack trace)
+    assert _refuses_connections(server.rest + "/api")
+
+
+def test_torchrun_ranks_stop_together_when_rank_0_gets_the_signal_or_ctrl_c_reaches_the_readme_command():
+    server = GenerationServer(2, TINY_SERVER + ["--tensor-model-parallel-size", "2"])
+    code, output, alive = server.interrupt(signal.SIGTERM, server.rank0)
+    _stopped_alone(server, output, alive)
+    assert code == 0 and output.splitlines() == ["server stopped"], output  # torchrun sees every rank exit 0
+    # The README's commands, as a newcomer runs them (its ports made free ones: tests run side by side).
+    launch, curl = readme_commands("MegaScope: text generation server")
+    readme = GenerationServer(0, [], command=as_launched(launch, {"--port": 0, "--ws-port": 0}))
+    status, answer = readme.put(json.loads(curl[curl.index("-d") + 1]))
+    assert status == 200 and answer["text"][0].startswith("Hello") and len(answer["tokens"][0]) > 1, answer
+    code, output, alive = readme.interrupt(signal.SIGINT)  # Ctrl-C: torchrun passes it on to every rank
+    _stopped_alone(readme, output, alive)
+    assert "SignalException" in output, output  # torchrun reports the signal it received in its own words
 
 
 def test_a_bad_flag_is_one_line_and_exit_code_2():
@@ -453,6 +465,16 @@ def test_a_bad_flag_is_one_line_and_exit_code_2():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1] == \
         "run_text_generation_server.py: error: --ws-port 99999: a port is 0..65535"
+
+
+def test_a_virtual_pipeline_is_refused_by_its_flag_not_by_the_microbatches(monkeypatch):
+    """A generation tool's virtual pipeline used to be refused for its "number of microbatches (1)"."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ArgumentError) as refused:  # in-process: it is refused before any process group
+        setup_for_generation(TINY_SERVER + ["--pipeline-model-parallel-size", "2",
+                                            "--num-layers-per-virtual-pipeline-stage", "1"], "x", model_provider=None)
+    assert str(refused.value) == ("--num-layers-per-virtual-pipeline-stage: generation runs one model chunk per "
+                                  "pipeline rank; leave virtual pipelining out")
 
 
 @pytest.mark.parametrize("tool, where", [("tools/run_text_generation_server.py", "missing"),
@@ -523,3 +545,50 @@ def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_s
         assert server.job.poll() is None
     finally:
         server.stop()
+
+
+def _raw_put(server, head, body=b""):
+    """Send ``head`` (the request line and headers, without the blank line) and ``body`` over a socket of
+    its own; the server's answer (status, JSON), read until the server closes the connection."""
+    host, port = server.rest.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(head.encode() + b"\r\n\r\n" + body)
+        answer = b""
+        while chunk := connection.recv(65536):  # the server closes the connection after a refused body
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+@pytest.mark.parametrize("length", ["abc", "-1", "1e3"])
+def test_a_bad_content_length_is_a_400_naming_it_and_no_traceback(server, length):
+    """It used to drop the connection with a ValueError traceback in the log ("-1": read until the client closed)."""
+    seen = len(server.lines)
+    status, answer = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {length}", b'{"prompts": ["x"]}')
+    assert (status, answer) == (400, {"error": f"Content-Length must be the body's size in bytes, not {length!r}"})
+    too_large = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {'9' * 5000}")
+    assert too_large == (413, {"error": "the body is over 1048576 bytes"})
+    assert server.put({"prompts": ["x"], "tokens_to_generate": 1})[0] == 200  # the server goes on
+    assert "Traceback" not in "".join(server.lines[seen:])
+
+
+@pytest.mark.parametrize("count", [17, 129])
+def test_the_prompt_limit_is_one_limit_in_one_message(server, count):
+    """17 prompts were refused with "at most 16", 129 with "at most 128": two limits for one request."""
+    status, answer = server.put({"prompts": ["x"] * count, "tokens_to_generate": 1})
+    assert (status, answer) == (400, {"field": "prompts", "error": f"prompts: at most 16 prompts per request here, "
+                                      f"not {count}; send the others in another request"})
+
+
+def test_a_rest_client_that_goes_away_stops_its_generation(server):
+    """An abandoned request used to generate all its tokens (holding the model from the requests behind it)."""
+    body = json.dumps({"prompts": ["Once"], "tokens_to_generate": 63, "top_k": 1}).encode()
+    host, port = server.rest.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as connection:
+        connection.sendall(b"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    # closed at once: the server reads the body, then finds the connection closed between steps
+    assert server.put(SAMPLED)[0] == 200  # served after the abandoned one (REST requests take turns)
+    assert server.logged("went away: its generation stopped after"), "".join(server.lines[-20:])
+    stopped = re.search(r"went away: its generation stopped after (\d+) of 63 tokens", "".join(server.lines))
+    assert stopped and int(stopped.group(1)) < 63, "".join(server.lines[-20:])

@@ -51,12 +51,11 @@ def _server_args(parser):
     g.add_argument("--ws-max-messages-per-second", type=int, default=Limits.max_messages_per_second)
     g.add_argument("--ws-send-queue-frames", type=int, default=Limits.send_queue_frames)
     g.add_argument("--max-tokens-to-generate", type=int, default=Limits.max_tokens_to_generate)
+    g.add_argument("--max-prompts", type=int, default=Limits.max_prompts,
+                   help="prompts per request, REST and WebSocket alike (Megatron-LM's REST server took 128)")
 
 
 def _check(args):
-    if args.virtual_pipeline_model_parallel_size is not None:
-        raise ArgumentError("--num-layers-per-virtual-pipeline-stage: the generation server runs one model chunk "
-                            "per pipeline rank; leave virtual pipelining out")
     if args.sequence_parallel:
         raise ArgumentError("--sequence-parallel: generation reads one token per step, which cannot be split over "
                             "the sequence; leave it out")
@@ -64,7 +63,7 @@ def _check(args):
         if not 0 <= getattr(args, flag) <= 65535:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: a port is 0..65535")
     for flag in ("ws_max_message_bytes", "ws_max_messages_per_second", "ws_send_queue_frames",
-                 "max_tokens_to_generate"):
+                 "max_tokens_to_generate", "max_prompts"):
         if getattr(args, flag) < 1:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")
 
@@ -126,7 +125,7 @@ def main():
         logging.getLogger("websockets.server").setLevel(logging.WARNING)  # our own lines say where it listens
         limits = Limits(max_message_bytes=args.ws_max_message_bytes,
                         max_messages_per_second=args.ws_max_messages_per_second,
-                        send_queue_frames=args.ws_send_queue_frames,
+                        send_queue_frames=args.ws_send_queue_frames, max_prompts=args.max_prompts,
                         # a prompt holds a token at least: the model's length bounds what a welcome may promise
                         max_tokens_to_generate=min(args.max_tokens_to_generate, max_length - 1))
         encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)

@@ -5,7 +5,8 @@
 # merges.txt (e.g. datasets/gpt). The model flags default to GPT 345M (24 layers, hidden 1024, 16 heads,
 # sequence 1024); extra flags override them (the last of a repeated flag wins), e.g. the shape of the
 # quickstart's tiny model. Environment: NPROC (1), TP (1), PP (1), DEVICE (cuda|cpu; cuda when a GPU is
-# there), PORT (5000), WS_PORT (5001), PYTHON (python3). Then: curl -X PUT localhost:5000/api \
+# there), PORT (5000), WS_PORT (5001), MASTER_PORT (torchrun's; a free one when unset), PYTHON (python3).
+# Then: curl -X PUT localhost:5000/api \
 #   -H 'Content-Type: application/json' -d '{"prompts": ["Hello"], "tokens_to_generate": 32}'
 set -euo pipefail
 source "$(dirname "$0")/serve_common.sh"

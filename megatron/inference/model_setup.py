@@ -34,6 +34,13 @@ def _no_cuda_graphs(args):
     args.cuda_graph_impl = "none"
 
 
+def _no_virtual_pipeline(args):
+    """Before validate_args, whose checks of the interleaved schedule (its microbatches) mean nothing here."""
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ArgumentError("--num-layers-per-virtual-pipeline-stage: generation runs one model chunk per pipeline "
+                            "rank; leave virtual pipelining out")
+
+
 def _require_checkpoint(load):
     if load is None:
         return
@@ -58,6 +65,7 @@ def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, c
             raise ArgumentError("give --max-position-embeddings (or --seq-length): the positions the model serves")
         args.seq_length = args.max_position_embeddings
     _no_cuda_graphs(args)
+    _no_virtual_pipeline(args)
     validate_args(args)
     if check_args is not None:
         check_args(args)

@@ -4,6 +4,9 @@ build (tools/visualization/transformer-visualize/dist) when it exists. See docs/
 import json
 import logging
 import mimetypes
+import re
+import select
+import socket
 import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +20,18 @@ from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megatron.inference.rest")
 MAX_BODY_BYTES = 1 << 20
+_BYTE_COUNT = re.compile(r"[0-9]+")
+
+
+def peer_closed(connection: socket.socket) -> bool:
+    """Whether the client at the other end of ``connection`` has closed it (or reset it): the socket reads
+    as end of file. Its request's body has been read whole before generating, so nothing else is due; bytes
+    it sent after (a pipelined request) mean it is still there."""
+    try:
+        readable, _, _ = select.select([connection], [], [], 0)
+        return bool(readable) and not connection.recv(1, socket.MSG_PEEK)
+    except OSError:
+        return True
 
 
 def rest_answer(generation, encoder, seed, with_logprobs):
@@ -38,11 +53,15 @@ class RestHandler(BaseHTTPRequestHandler):
 
     def _reply(self, status, body, content_type="application/json"):
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client left before its answer: nobody to tell
+            log.info("%s went away before its %d answer", self.address_string(), status)
+            self.close_connection = True
 
     def _refuse(self, status, message, field=None):
         body = {"error": f"{field}: {message}" if field else message}
@@ -53,15 +72,22 @@ class RestHandler(BaseHTTPRequestHandler):
     def do_PUT(self):
         if self.path.rstrip("/") != "/api":
             return self._refuse(HTTPStatus.NOT_FOUND, "PUT /api generates; nothing else takes PUT")
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
+        length = self.headers.get("Content-Length") or "0"
+        if not _BYTE_COUNT.fullmatch(length):
+            self.close_connection = True  # the body, unread, cannot be told from a next request
+            return self._refuse(HTTPStatus.BAD_REQUEST, f"Content-Length must be the body's size in bytes, "
+                                f"not {length[:40]!r}")
+        # (its digits first: int() refuses thousands of them with a ValueError)
+        if len(length) > len(str(MAX_BODY_BYTES)) or int(length) > MAX_BODY_BYTES:
+            self.close_connection = True
             return self._refuse(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes")
         try:
-            request = parse_rest_request(load_json(self.rfile.read(length) or b"null", "body"))
+            request = parse_rest_request(load_json(self.rfile.read(int(length)) or b"null", "body"))
             prompts = self.server.encoder.encode(request)
             seed = pick_seed(request["random_seed"])
             payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed)}
-            generation = self.server.service.run(Job(payload=payload))
+            job = Job(payload=payload, requester_gone=lambda: peer_closed(self.connection))
+            generation = self.server.service.run(job)
         except ProtocolError as error:
             status = HTTPStatus.SERVICE_UNAVAILABLE if error.code == "busy" else HTTPStatus.BAD_REQUEST
             return self._refuse(status, error.message, error.field)
@@ -70,6 +96,13 @@ class RestHandler(BaseHTTPRequestHandler):
         except Exception:  # noqa: BLE001  a server failure: logged, answered, the server goes on
             log.exception("generation failed")
             return self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "generation failed; see the server log")
+        if job.requester_gone():
+            generated = max(len(tokens) - prompt for tokens, prompt in zip(generation.tokens,
+                                                                           generation.prompt_lengths))
+            log.info("%s went away: its generation stopped after %d of %d tokens", self.address_string(),
+                     generated, request["tokens_to_generate"])
+            self.close_connection = True
+            return None
         self._reply(HTTPStatus.OK, rest_answer(generation, self.server.encoder, seed, request["logprobs"]))
 
     def do_GET(self):

@@ -13,6 +13,7 @@ queued ones and ends every rank's loop.
 import queue
 import secrets
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron.core import parallel_state
@@ -35,19 +36,21 @@ class Job:
     source: str = "rest"
     done: threading.Event = field(default_factory=threading.Event)
     cancelled: bool = False   # set by its requester: it ends at its next step and holds the model no longer
+    # Rank 0, between steps: whether its requester left (a REST client that closed its connection); it ends then.
+    requester_gone: Callable[[], bool] = lambda: False
     result: object = None
     error: BaseException = None
 
 
 class StopAtNextStep(NoObserver):
-    """Rank 0's observer of a REST generation: cancels it at its next step once the service is stopping
-    (every rank's observer acts on the cancel)."""
+    """Rank 0's observer of a REST generation: cancels it at its next step once the service is stopping or
+    its requester has gone (every rank's observer acts on the cancel)."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, service, job):
+        self.service, self.job = service, job
 
     def poll(self):
-        return {"cancel": True} if self.service.stopping else None
+        return {"cancel": True} if self.service.stopping or self.job.requester_gone() else None
 
 
 def pick_seed(seed):
@@ -123,7 +126,7 @@ class GenerationService:
         generation (streamed and captured by rank 0) runs on the first replica, the others wait."""
         params = SamplingParams(**payload["params"])
         if "scope" not in payload:
-            observer = (job.observer or StopAtNextStep(self)) if job else None
+            observer = (job.observer or StopAtNextStep(self, job)) if job else None
             return generate_share(self.engine, payload["prompts"], params, observer)
         if parallel_state.get_data_parallel_rank() != 0:
             return None

@@ -17,6 +17,7 @@ from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron.training.errors import UserError
+from megatron.training.signal_handler import STOP_SIGNALS
 
 
 def split_sample_counts(args):
@@ -96,10 +97,12 @@ class PretrainingSampler:
             yield list(range(first + start, first + start + self.micro_batch_size))
 
 
-def _ignore_sigterm(worker_id):
-    """Loader workers leave SIGTERM to the trainer, which stops at an agreed iteration, saves
-    and then ends them; a launcher that signals the whole process tree would kill them mid-batch."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+def _ignore_stop_signals(worker_id):
+    """Loader workers leave SIGTERM and SIGINT to the trainer, which stops at an agreed iteration,
+    saves and then ends them; a launcher that signals the whole process tree, or Ctrl-C in a terminal
+    (the whole foreground process group), would kill them mid-batch."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
 
 
 def _kill_workers_at_exit():
@@ -124,7 +127,7 @@ def _loader(args, dataset, consumed_samples):
         atexit.unregister(_kill_workers_at_exit)  # once, however many loaders
         atexit.register(_kill_workers_at_exit)
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=args.num_workers, worker_init_fn=_ignore_sigterm,
+        dataset, batch_sampler=sampler, num_workers=args.num_workers, worker_init_fn=_ignore_stop_signals,
         pin_memory=args.device == "cuda", persistent_workers=args.num_workers > 0,
     )
 

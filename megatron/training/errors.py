@@ -56,14 +56,19 @@ def _print_launch_error(line):
         sys.stderr.flush()
 
 
+def _prog():
+    return os.path.basename(sys.argv[0]) or "megatron"
+
+
 def error_line(message: str) -> str:
     """``<prog>: error: <message>``, the form of every line that stops a command (argparse's)."""
-    return f"{os.path.basename(sys.argv[0]) or 'megatron'}: error: {message}"
+    return f"{_prog()}: error: {message}"
 
 
 def exit_on_user_error(main):
-    """Run ``main``; a ``UserError`` becomes ``<prog>: error: <message>`` on stderr and exit code 2.
-    Of a launch's ranks the first to fail prints the line; the others exit quietly."""
+    """Run ``main``; a ``UserError`` becomes ``<prog>: error: <message>`` on stderr and exit code 2, Ctrl-C
+    one line and exit code 130 (a shell's for SIGINT). Of a launch's ranks the first to fail prints the
+    line; the others exit quietly."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -72,5 +77,8 @@ def exit_on_user_error(main):
         except UserError as error:
             _print_launch_error(error_line(str(error)))
             sys.exit(2)
+        except KeyboardInterrupt:  # Ctrl-C before training installs its agreed stop (start-up), or in a tool
+            _print_launch_error(f"{_prog()}: interrupted by SIGINT (Ctrl-C) before it finished")
+            sys.exit(128 + signal.SIGINT)
 
     return wrapper

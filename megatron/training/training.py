@@ -25,7 +25,7 @@ from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
 from megatron.training.plugins import PluginRegistry
 from megatron.training.profiling import build_profiler
-from megatron.training.signal_handler import SigtermAgreement
+from megatron.training.signal_handler import StopSignalAgreement
 from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import TrainingLog, log_evaluation, print_rank_0
@@ -67,7 +67,7 @@ class Trainer:
         self.forward_backward = registry.wrap_schedule(
             args, registry.forward_backward_func(args, get_forward_backward_func()))
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
-        self.sigterm = SigtermAgreement()
+        self.stop_signal = StopSignalAgreement()
         self.profiler = build_profiler(args)  # None unless this rank profiles
         self.tensorboard = TensorBoardLog.for_this_rank(args)  # None unless this rank writes
 
@@ -112,7 +112,7 @@ class Trainer:
         state.last_saved_iteration = state.iteration
 
     def train(self, state, train_iterator, valid_iterator):
-        """Iterate until --train-iters, SIGTERM or --exit-interval; save at the end when --save."""
+        """Iterate until --train-iters, SIGTERM or SIGINT, or --exit-interval; save at the end when --save."""
         args = self.args
         log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
         while state.iteration < args.train_iters:
@@ -132,8 +132,8 @@ class Trainer:
                                self.tensorboard)
             if args.save and args.save_interval and state.iteration % args.save_interval == 0:
                 self.save(state)
-            if self.sigterm.any_rank_received():
-                print_rank_0(f"SIGTERM received: stopping at iteration {state.iteration}")
+            if signal_name := self.stop_signal.any_rank_received():
+                print_rank_0(f"{signal_name} received: stopping at iteration {state.iteration}")
                 break
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
@@ -228,7 +228,7 @@ def pretrain(argv, **entry_point):
         return
     args, trainer, state = job.args, job.trainer, job.state
     trainer.train(state, job.train_iterator, job.valid_iterator)
-    finished = state.iteration == args.train_iters  # not stopped by SIGTERM or --exit-interval
+    finished = state.iteration == args.train_iters  # not stopped by a signal or --exit-interval
     if finished and job.test_iterator is not None and args.eval_iters > 0:
         log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters),
                        trainer.tensorboard)

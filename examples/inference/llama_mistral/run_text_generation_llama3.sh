@@ -5,7 +5,8 @@
 # tokenizer.json and tokenizer_config.json (CKPT/hf after a conversion). A client asking for chat
 # ("chat": true in PUT /api or in a WebSocket generate) gets the tokenizer's chat template applied.
 # Environment: NPROC (1), TP (1), PP (1), DEVICE (cuda|cpu; cuda when a GPU is there), PORT (5000),
-# WS_PORT (5001), PYTHON (python3). Extra flags override model_args.txt's (e.g. --bf16 on a GPU).
+# WS_PORT (5001), MASTER_PORT (torchrun's; a free one when unset), PYTHON (python3). Extra flags override
+# model_args.txt's (e.g. --bf16 on a GPU).
 set -euo pipefail
 source "$(dirname "$0")/../serve_common.sh"
 if [ ! -f "$CHECKPOINT/model_args.txt" ]; then
