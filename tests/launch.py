@@ -96,9 +96,10 @@ def run_script(script, args, env=None, timeout=120):
 _ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")
 
 
-def preempted_run(command, marker, timeout=300):
-    """The whole output of ``command`` (a torchrun launch) sent SIGTERM, as a scheduler's preemption does,
-    once a line contains ``marker``; no process is left behind if it fails first."""
+def job_acted_on(command, marker, act, timeout=300):
+    """``command`` (a torchrun launch) with ``act(launcher)`` run once a line contains ``marker`` (while the job
+    surely runs). Returns the CompletedProcess (stdout: the whole output, stderr included); no process is left
+    behind if it fails first."""
     launcher = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     output = []
@@ -107,7 +108,7 @@ def preempted_run(command, marker, timeout=300):
         for line in launcher.stdout:
             output.append(line)
             if marker in line:
-                launcher.send_signal(signal.SIGTERM)
+                act(launcher)
                 break
             assert time.time() < deadline, "".join(output)
         output.append(launcher.communicate(timeout=timeout)[0])
@@ -115,7 +116,13 @@ def preempted_run(command, marker, timeout=300):
         if launcher.returncode is None:
             kill_process_tree(launcher.pid)
             launcher.wait()
-    return "".join(output)
+    return subprocess.CompletedProcess(command, launcher.returncode, "".join(output))
+
+
+def preempted_run(command, marker, timeout=300):
+    """The whole output of ``command`` sent SIGTERM, as a scheduler's preemption does, once a line contains
+    ``marker``."""
+    return job_acted_on(command, marker, lambda launcher: launcher.send_signal(signal.SIGTERM), timeout).stdout
 
 
 def lm_losses(output):
