@@ -25,6 +25,7 @@ from megatron.training.atomic_file import replaced_on_success
 from megatron.training.checkpoint_checks import damaged_file, what_to_do
 from megatron.training.checkpoint_model import check_model_args, model_args
 from megatron.training.errors import UserError
+from megatron.training.writable_paths import nearest_existing
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 IN_PROGRESS_SUFFIX = ".inprogress"
@@ -187,16 +188,19 @@ def _publish(args, iteration, work_dir, final_dir):
 
 
 def _save_failed(args, iteration, work_dir, error):
-    """The line for a save that failed; removes the partial directory this save wrote, if it is still there."""
+    """The line for a save that failed; removes the partial directory this save wrote, if it is still there
+    (a failure after the rename into place leaves a complete checkpoint that the tracker does not name)."""
     cause = _first_cause(error)
-    shutil.rmtree(work_dir, ignore_errors=True)
-    removed = (f"removed the partial {os.path.basename(work_dir)}" if not os.path.exists(work_dir)
-               else f"could not remove the partial {work_dir}")
+    removed = ""
+    if os.path.exists(work_dir):
+        shutil.rmtree(work_dir, ignore_errors=True)
+        removed = (f"removed the partial {os.path.basename(work_dir)}; " if not os.path.exists(work_dir)
+                   else f"could not remove the partial {work_dir}; ")
     latest = read_tracker(args.save, flag="--save")
     stays = f"iteration {latest} stays the latest checkpoint" if latest is not None else "no checkpoint is saved there"
-    free = shutil.disk_usage(args.save).free / 1e9 if os.path.isdir(args.save) else 0.0
+    free = shutil.disk_usage(nearest_existing(args.save)).free / 1e9
     return (f"--save: the checkpoint of iteration {iteration} could not be written into {args.save} ({cause}; "
-            f"{free:.3g} GB free there: a full disk or a directory that refuses writes fails so); {removed}; {stays}; "
+            f"{free:.3g} GB free there: a full disk or a directory that refuses writes fails so); {removed}{stays}; "
             f"free space or give another --save, then resume with --load")
 
 
