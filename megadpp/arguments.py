@@ -1,9 +1,9 @@
 """MegaDPP's launch flags and their checks (run on every rank before any process group exists)."""
 
 import ipaddress
-import os
 
 from megatron.training.errors import ArgumentError
+from megatron.training.writable_paths import check_new_file_writable
 
 from megadpp.policy import POLICIES
 
@@ -72,9 +72,7 @@ def validate_args(args):
                             ("--dpp-jitter-ms", args.dpp_jitter_ms or None), ("--dpp-timeout", args.dpp_timeout)):
             _require(value is None, f"{flag} acts on the dynamic pipeline schedule: add --use-dpp")
     if args.dpp_log_schedule:
-        directory = os.path.dirname(os.path.abspath(args.dpp_log_schedule))
-        _require(os.path.isdir(directory) and os.access(directory, os.W_OK),
-                 f"--dpp-log-schedule {args.dpp_log_schedule}: directory {directory} does not exist or is not writable")
+        check_new_file_writable(args.dpp_log_schedule, "--dpp-log-schedule")  # not only at the end of the run
     _require(args.dpp_max_inflight is None or args.dpp_max_inflight >= 1,
              f"--dpp-max-inflight must be at least 1, got {args.dpp_max_inflight}")
     _require(args.dpp_timeout is None or args.dpp_timeout > 0,

@@ -10,10 +10,11 @@ Keys of ``ranks`` and ``actions`` are global ranks; each action string is what
 """
 
 import json
-import os
 
 import torch.distributed as dist
 from megatron.core import parallel_state
+
+from megatron.training.atomic_file import replaced_on_success
 
 
 class ScheduleLog:
@@ -47,7 +48,5 @@ class ScheduleLog:
                     "num_stages": self.layout.virtual_stages,
                     "ranks": {str(rank): coords for rank, (coords, _) in enumerate(gathered)},
                     "iterations": iterations}
-        temporary = f"{self.path}.tmp-{os.getpid()}"
-        with open(temporary, "w") as out:
+        with replaced_on_success(self.path) as temporary, open(temporary, "w") as out:
             json.dump(document, out)
-        os.replace(temporary, self.path)

@@ -19,10 +19,12 @@ elif [ "$GPUS" -eq 1 ]; then NPROC=1 TP=1 PP=1 DEVICE=cuda
 else NPROC=4 TP=2 PP=2 DEVICE=cpu
 fi
 TRACE_DIR="$OUT_DIR/trace/$(date +%Y%m%d-%H%M%S)"  # a fresh directory: a run never writes into old traces
+# A rerun trains from scratch into the same checkpoint directory, on purpose (--override-save): the checkpoints
+# of the earlier run stay beside the new ones as iter_XXXXXXX.replaced-<time>.
 echo "training on $NPROC process(es), TP$TP x PP$PP, device $DEVICE"
 PYTHON="$PYTHON" NPROC=$NPROC TP=$TP PP=$PP DEVICE=$DEVICE \
     DATA_PATH="$OUT_DIR/data/gpt_text_document" CHECKPOINT_DIR="$OUT_DIR/checkpoints" \
-    bash examples/gpt3/train_gpt_tiny.sh --trace --trace-dir "$TRACE_DIR" --trace-interval 50 \
+    bash examples/gpt3/train_gpt_tiny.sh --trace --trace-dir "$TRACE_DIR" --trace-interval 50 --override-save \
     2>&1 | tee "$OUT_DIR/train.log"
 echo
 "$PYTHON" tools/aggregate.py -b "$TRACE_DIR" -d

@@ -109,10 +109,10 @@ def run_script_cases(script, cases, timeout=300):
 _ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?\| lm loss: ([0-9.E+-]+)")
 
 
-def preempted_run(command, marker, ctrl_c=False, env=None, timeout=300):
-    """The whole output of ``command`` (a torchrun launch) once a line contains ``marker``, it was sent
-    SIGTERM, as a scheduler's preemption does, or (``ctrl_c``) SIGINT to its process group, as Ctrl-C in a
-    terminal does; no process is left behind if it fails first."""
+def job_acted_on(command, marker, act, env=None, timeout=300):
+    """``command`` (a torchrun launch, in a session of its own) with ``act(launcher)`` run once a line contains
+    ``marker`` (while the job surely runs). Returns the CompletedProcess (stdout: the whole output, stderr
+    included); no process is left behind if it fails first."""
     launcher = subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
     output = []
@@ -121,10 +121,7 @@ def preempted_run(command, marker, ctrl_c=False, env=None, timeout=300):
         for line in launcher.stdout:
             output.append(line)
             if marker in line:
-                if ctrl_c:
-                    os.killpg(launcher.pid, signal.SIGINT)
-                else:
-                    launcher.send_signal(signal.SIGTERM)
+                act(launcher)
                 break
             assert time.time() < deadline, "".join(output)
         output.append(launcher.communicate(timeout=timeout)[0])
@@ -132,7 +129,18 @@ def preempted_run(command, marker, ctrl_c=False, env=None, timeout=300):
         if launcher.returncode is None:
             kill_process_tree(launcher.pid)
             launcher.wait()
-    return "".join(output)
+    return subprocess.CompletedProcess(command, launcher.returncode, "".join(output))
+
+
+def preempted_run(command, marker, ctrl_c=False, env=None, timeout=300):
+    """The whole output of ``command`` once a line contains ``marker``, it was sent SIGTERM, as a scheduler's
+    preemption does, or (``ctrl_c``) SIGINT to its process group, as Ctrl-C in a terminal does."""
+    def stop(launcher):
+        if ctrl_c:
+            os.killpg(launcher.pid, signal.SIGINT)
+        else:
+            launcher.send_signal(signal.SIGTERM)
+    return job_acted_on(command, marker, stop, env, timeout).stdout
 
 
 def lm_losses(output):

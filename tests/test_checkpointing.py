@@ -1,13 +1,23 @@
-"""Checkpoints: resumable at another TP/PP with the losses of an uninterrupted run; SIGTERM and Ctrl-C save."""
+"""Checkpoints: resumable at another TP/PP with the losses of an uninterrupted run; SIGTERM and Ctrl-C save;
+one job writes a --save directory, never backwards, and a save that fails is one line that keeps the previous one."""
 
 import os
 import re
+import resource
 import subprocess
 
+import psutil
 import pytest
+from megatron.training.arguments import parse_args
+from megatron.training.checkpoint_checks import damaged_file
+from megatron.training.errors import UserError
+from megatron.training.save_dir_checks import checkpoint_size_estimate
+from megatron.training.save_lock import LOCK_FILENAME, release_save_locks, take_save_lock
+from megatron.training.tokenizer import build_tokenizer
+from megatron.training.validate_args import validate_args
 
-from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, lm_losses, preempted_run,
-                    run_script, torchrun)
+from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, job_acted_on, lm_losses,
+                    preempted_run, run_script, torchrun, torchrun_command)
 from readme_commands import as_launched, readme_commands
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -23,7 +33,7 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2_with_uninterrupted_losses(gpt_da
     uninterrupted = lm_losses(_train(1, gpt_data, 6).stdout)
     _train(2, gpt_data, 6, "--tensor-model-parallel-size", "2", "--save", tmp_path, "--exit-interval", "3")
     assert (tmp_path / TRACKER).read_text() == "3"
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000003", TRACKER]  # nothing left .inprogress
+    assert sorted(os.listdir(tmp_path)) == [LOCK_FILENAME, "iter_0000003", TRACKER]  # nothing left .inprogress
     resumed = _train(2, gpt_data, 6, "--pipeline-model-parallel-size", "2", "--load", tmp_path)
     assert "starting at iteration 3" in resumed.stdout
     losses = lm_losses(resumed.stdout)
@@ -91,7 +101,7 @@ def test_ctrl_c_on_the_readme_training_command_saves_a_checkpoint_that_resumes_a
     assert "[rank" not in log and "KeyboardInterrupt" not in log, log[-3000:]  # no rank's traceback
     saved = int(stopped.group(1))
     assert (save / TRACKER).read_text() == str(saved)
-    assert sorted(os.listdir(save)) == [f"iter_{saved:07d}", TRACKER]  # nothing left .inprogress
+    assert sorted(os.listdir(save)) == sorted([LOCK_FILENAME, f"iter_{saved:07d}", TRACKER])  # nothing left .inprogress
     resumed = subprocess.run(as_launched(train, {
         "--nproc_per_node": 2, "--pipeline-model-parallel-size": 1, "--data-path": data, "--save": tmp_path / "more",
         "--train-iters": saved + 1, "--log-interval": 1}) + ["--load", save],
@@ -99,3 +109,63 @@ def test_ctrl_c_on_the_readme_training_command_saves_a_checkpoint_that_resumes_a
     assert_succeeded(resumed)
     assert f"starting at iteration {saved}" in resumed.stdout
     assert sorted(lm_losses(resumed.stdout)) == [saved + 1]
+
+
+def _validated(flags, world_size=1):
+    args = parse_args(TINY_GPT + flags, "pretrain_gpt.py")
+    return validate_args(args, world_size)
+
+
+def _workers(launcher):
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "pretrain_gpt.py" in " ".join(p.cmdline())]
+
+
+def test_one_job_writes_a_save_dir_and_a_failed_save_keeps_the_previous_checkpoint(gpt_data, tmp_path):
+    """Issue 31: a second job on the same --save mixed both runs' tensors into one checkpoint; a full disk failed
+    the save with a trace ("unexpected pos 704 vs 598") and left iter_*.inprogress; a fresh run rewound the tracker."""
+    save = tmp_path / "ckpt"
+    flags = gpt_data_args(gpt_data) + ["--tensor-model-parallel-size", "2"]
+    command = torchrun_command(2, "pretrain_gpt.py", TINY_GPT + flags + [
+        "--train-iters", "10000", "--save", save, "--save-interval", "2"])
+    refusals = []
+
+    def second_writer_then_full_disk(launcher):
+        with pytest.raises(UserError) as refusal:  # what a second job's rank 0 runs at its start
+            take_save_lock(str(save))
+        refusals.append(str(refusal.value))
+        for worker in _workers(launcher):  # from now on every write past 64 KiB fails, as on a full disk
+            resource.prlimit(worker.pid, resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    # The next save, at iteration 4 (or 6 if 4 was written before the limit), fails and ends the job.
+    job = job_acted_on(command, "saved checkpoint at iteration 2", second_writer_then_full_disk)
+    log = job.stdout
+    assert re.fullmatch(rf"--save {save} is being written by another job \(host \S+, pid \d+, started \S+\); two jobs "
+                        r"saving into one directory mix their checkpoints: wait for it to end or give another --save",
+                        refusals[0]), refusals
+    saved = [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", log)]
+    errors = {line for line in log.splitlines() if line.startswith("pretrain_gpt.py: error: ")}
+    assert job.returncode != 0 and len(errors) == 1, log[-5000:]
+    failed = re.fullmatch(
+        rf"pretrain_gpt.py: error: --save: the checkpoint of iteration (\d+) could not be written into {save} "
+        r"\(.+; [0-9.e+]+ GB free there: a full disk or a directory that refuses writes fails "
+        rf"so\); removed the partial iter_\d{{7}}.inprogress; iteration {saved[-1]} stays the latest checkpoint; free "
+        r"space or give another --save, then resume with --load", errors.pop())
+    assert failed and int(failed.group(1)) > saved[-1], log[-5000:]
+    assert "Traceback" not in "".join(line for line in log.splitlines(True) if line.startswith("[rank"))
+    assert (save / TRACKER).read_text() == str(saved[-1])
+    assert sorted(os.listdir(save)) == sorted([LOCK_FILENAME, TRACKER, *(f"iter_{i:07d}" for i in saved)])
+    assert damaged_file(str(save / f"iter_{saved[-1]:07d}")) is None
+
+    # The job is gone, and its lock with it; the lock is held again until released.
+    take_save_lock(str(save))
+    release_save_locks()
+    # A fresh run into this directory would rewind its tracker: refused, naming what is there.
+    with pytest.raises(UserError, match=rf"--save {save} already holds checkpoints \(iterations "
+                                        rf"{', '.join(map(str, saved))}; the latest is {saved[-1]}\) and this run "
+                                        r"starts at iteration 0 \(no --load\).*add --override-save"):
+        _validated(flags + ["--train-iters", "4", "--save", str(save)], world_size=2)
+    # The start-up's free-space check estimates a checkpoint of this model within 20 %.
+    args = _validated(flags + ["--train-iters", "4"], world_size=2)
+    build_tokenizer(args)  # pads the vocabulary
+    size = sum(f.stat().st_size for f in (save / f"iter_{saved[-1]:07d}").iterdir())
+    assert checkpoint_size_estimate(args) == pytest.approx(size, rel=0.2)

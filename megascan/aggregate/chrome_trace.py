@@ -18,8 +18,8 @@ from json.encoder import encode_basestring
 
 import numpy as np
 
-from megascan.aggregate.atomic_file import replaced_on_success
 from megascan.aggregate.loading import coords_name
+from megatron.training.atomic_file import replaced_on_success
 
 _PID = 1  # the run's one process
 _FIRST_TID = _PID + 1

@@ -12,13 +12,13 @@ import sys
 import time
 
 from megascan.aggregate.alignment_summary import describe_alignment
-from megascan.aggregate.atomic_file import replaced_on_success
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
 from megascan.detection import detect
+from megatron.training.atomic_file import replaced_on_success
 
 PROG = "tools/aggregate.py"
 DEFAULT_OUTPUT = "benchmark.json"

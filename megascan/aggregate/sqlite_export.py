@@ -5,7 +5,7 @@ columns: docs/megascan_aggregate.md."""
 import math
 import sqlite3
 
-from megascan.aggregate.atomic_file import replaced_on_success
+from megatron.training.atomic_file import replaced_on_success
 
 _SCHEMA = """
 CREATE TABLE ranks (rank INTEGER PRIMARY KEY, dp INTEGER, pp INTEGER, tp INTEGER, host TEXT,

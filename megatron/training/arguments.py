@@ -173,6 +173,10 @@ def _add_data_args(parser):
 def _add_checkpoint_args(parser):
     g = parser.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
+    g.add_argument("--override-save", action="store_true",
+                   help="save into a --save directory whose latest checkpoint is ahead of this run's start (a run "
+                        "without --load of it, or with --finetune): its tracker then moves back to this run's "
+                        "iterations; a checkpoint of an iteration saved again is kept as iter_XXXXXXX.replaced-<time>")
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")

@@ -23,14 +23,18 @@ def iterations_present(root):
                   if match and os.path.isdir(os.path.join(root, match.group(0))))
 
 
-def what_to_do(root, tracker, bad_iteration=None):
+# What else a user can do about a bad checkpoint directory, by the flag that names it.
+_OTHERWISE = {"--load": "remove --load to train from scratch", "--save": "give another --save directory"}
+
+
+def what_to_do(root, tracker, bad_iteration=None, flag="--load"):
     """Where to go from a bad checkpoint or tracker: the (other) iterations there, or training from scratch."""
     other = "" if bad_iteration is None else "other "
     iterations = [i for i in iterations_present(root) if i != bad_iteration]
     if not iterations:
-        return f"no {other}iteration is saved there: remove --load to train from scratch"
+        return f"no {other}iteration is saved there: {_OTHERWISE[flag]}"
     return (f"{other}iterations saved there: {', '.join(map(str, iterations))}; write one of them into {tracker} "
-            f"to resume from it, or remove --load to train from scratch")
+            f"to resume from it, or {_OTHERWISE[flag]}")
 
 
 def damaged_file(directory):

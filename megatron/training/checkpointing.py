@@ -6,21 +6,26 @@
 Sharded tensors carry their global offsets, so a checkpoint loads at another TP/PP size
 (the optimizer state in the fully reshardable format). A save is atomic: all ranks write into
 ``iter_XXXXXXX.inprogress`` which rank 0 renames once every rank is done, then it replaces the
-tracker file. A crash mid-save leaves the previous checkpoint as the latest one.
+tracker file. A crash mid-save leaves the previous checkpoint as the latest one; a save that fails (a
+full disk, a directory that refuses writes) removes its partial directory and stops the job with one line.
 """
 
 import os
 import random
+import shutil
 import time
 
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.training.atomic_file import replaced_on_success
 from megatron.training.checkpoint_checks import damaged_file, what_to_do
 from megatron.training.checkpoint_model import check_model_args, model_args
 from megatron.training.errors import UserError
+from megatron.training.writable_paths import nearest_existing
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 IN_PROGRESS_SUFFIX = ".inprogress"
@@ -31,8 +36,8 @@ def checkpoint_dir(root, iteration):
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def read_tracker(root):
-    """The iteration named by the tracker file, or None when ``root`` has no checkpoint yet."""
+def read_tracker(root, flag="--load"):
+    """The iteration named by the tracker file, or None when ``root`` (given as ``flag``) has no checkpoint yet."""
     path = os.path.join(root, TRACKER_FILENAME)
     if not os.path.isfile(path):
         return None
@@ -40,8 +45,8 @@ def read_tracker(root):
         content = tracker.read().strip()
     if not content.isdigit():  # bytes.isdigit: ASCII digits only
         shown = repr(content.decode("ascii")[:40]) if content.isascii() else repr(content[:40])
-        raise UserError(f"--load: {path} should hold an iteration number but holds {shown}; "
-                        f"{what_to_do(root, path)}")
+        raise UserError(f"{flag}: {path} should hold an iteration number but holds {shown}; "
+                        f"{what_to_do(root, path, flag=flag)}")
     return int(content)
 
 
@@ -132,7 +137,7 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
     work_dir = final_dir + IN_PROGRESS_SUFFIX
     rank = torch.distributed.get_rank()
     if rank == 0:
-        os.makedirs(work_dir, exist_ok=True)
+        _start_work_dir(args, iteration, work_dir)
     torch.distributed.barrier()
     state = _sharded_state_dict(model, optimizer, scheduler,
                                 with_optimizer=not args.no_save_optim, with_rng=not args.no_save_rng,
@@ -141,20 +146,75 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
                  checkpoint_version=3.0, layout=_layout(args), padded_vocab_size=args.padded_vocab_size,
                  contents={"optimizer": not args.no_save_optim, "rng": not args.no_save_rng},
                  model_args=model_args(args))
-    dist_checkpointing.save(state, work_dir)
+    try:
+        dist_checkpointing.save(state, work_dir)
+    except CheckpointException as error:
+        # megatron-core gathers the ranks' write failures and raises on every rank, the details on rank 0
+        # only: it removes the partial directory, then every rank stops with its line (whichever prints it).
+        message = [_save_failed(args, iteration, work_dir, error) if rank == 0 else None]
+        torch.distributed.broadcast_object_list(message, src=0)
+        raise UserError(message[0]) from None
+    except (OSError, RuntimeError) as error:  # one rank's own write (rank 0's common.pt): the others wait
+        raise UserError(_save_failed(args, iteration, work_dir, error)) from None
     torch.distributed.barrier()
     if rank == 0:
+        _publish(args, iteration, work_dir, final_dir)
+        print(f"saved checkpoint at iteration {iteration} to {final_dir} "
+              f"({time.time() - start:.1f} s)", flush=True)
+    torch.distributed.barrier()
+
+
+def _start_work_dir(args, iteration, work_dir):
+    """A new, empty in-progress directory; one left by a job that died mid-save is kept beside it."""
+    try:
+        if os.path.exists(work_dir):
+            os.rename(work_dir, f"{work_dir}.abandoned-{int(time.time())}")
+        os.makedirs(work_dir)
+    except OSError as error:
+        raise UserError(_save_failed(args, iteration, work_dir, error)) from None
+
+
+def _publish(args, iteration, work_dir, final_dir):
+    """Rename the complete checkpoint into place, then point the tracker at it (rank 0)."""
+    try:
         if os.path.exists(final_dir):
             # Same iteration saved before (a rerun): keep the old one beside, never delete it.
             os.rename(final_dir, f"{final_dir}.replaced-{int(time.time())}")
         os.rename(work_dir, final_dir)
-        tracker = os.path.join(args.save, TRACKER_FILENAME)
-        with open(tracker + ".tmp", "w") as f:
+        with replaced_on_success(os.path.join(args.save, TRACKER_FILENAME)) as tracker, open(tracker, "w") as f:
             f.write(str(iteration))
-        os.replace(tracker + ".tmp", tracker)
-        print(f"saved checkpoint at iteration {iteration} to {final_dir} "
-              f"({time.time() - start:.1f} s)", flush=True)
-    torch.distributed.barrier()
+    except OSError as error:
+        raise UserError(_save_failed(args, iteration, work_dir, error)) from None
+
+
+def _save_failed(args, iteration, work_dir, error):
+    """The line for a save that failed; removes the partial directory this save wrote, if it is still there
+    (a failure after the rename into place leaves a complete checkpoint that the tracker does not name)."""
+    cause = _first_cause(error)
+    removed = ""
+    if os.path.exists(work_dir):
+        shutil.rmtree(work_dir, ignore_errors=True)
+        removed = (f"removed the partial {os.path.basename(work_dir)}; " if not os.path.exists(work_dir)
+                   else f"could not remove the partial {work_dir}; ")
+    latest = read_tracker(args.save, flag="--save")
+    stays = f"iteration {latest} stays the latest checkpoint" if latest is not None else "no checkpoint is saved there"
+    free = shutil.disk_usage(nearest_existing(args.save)).free / 1e9
+    return (f"--save: the checkpoint of iteration {iteration} could not be written into {args.save} ({cause}; "
+            f"{free:.3g} GB free there: a full disk or a directory that refuses writes fails so); {removed}{stays}; "
+            f"free space or give another --save, then resume with --load")
+
+
+def _first_cause(error):
+    """'rank R: Type: message' of the first rank's failure in a CheckpointException, else of ``error``."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _) = min(error.failures.items())
+        return f"rank {rank}: {_one_line(error)}"
+    return _one_line(error)
+
+
+def _one_line(error):
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def use_checkpoint_vocab_padding(args):

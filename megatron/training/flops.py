@@ -7,18 +7,22 @@ one more forward of the layers. This is the convention of Megatron-LM's throughp
 """
 
 
+def layer_matrix_weights(args) -> int:
+    """Weights of one transformer layer's matrices (biases and norms left out): each is one multiply-add
+    per token, and they are nearly all of a layer's parameters."""
+    h = args.hidden_size
+    query_width = args.num_attention_heads * args.kv_channels
+    kv_width = args.num_query_groups * args.kv_channels
+    mlp_inputs = 2 if args.swiglu else 1
+    return (h * (query_width + 2 * kv_width)  # QKV projection
+            + query_width * h  # attention output projection
+            + h * args.ffn_hidden_size * mlp_inputs + args.ffn_hidden_size * h)  # MLP
+
+
 def training_flops_per_iteration(args, padded_vocab_size):
     h, s, layers = args.hidden_size, args.seq_length, args.num_layers
-    head_dim = args.kv_channels
-    query_width = args.num_attention_heads * head_dim
-    kv_width = args.num_query_groups * head_dim
-    mlp_inputs = 2 if args.swiglu else 1
-    macs_per_token_layer = (
-        h * (query_width + 2 * kv_width)  # QKV projection
-        + query_width * h  # attention output projection
-        + 2 * s * query_width  # scores (Q K^T) and weighted values
-        + h * args.ffn_hidden_size * mlp_inputs + args.ffn_hidden_size * h  # MLP
-    )
+    query_width = args.num_attention_heads * args.kv_channels
+    macs_per_token_layer = layer_matrix_weights(args) + 2 * s * query_width  # + scores (Q K^T), weighted values
     layer_forward = 2 * macs_per_token_layer * layers
     logits_forward = 2 * h * padded_vocab_size
     layer_passes = 3 + (1 if args.recompute_granularity == "full" else 0)

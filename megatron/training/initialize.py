@@ -11,6 +11,7 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from megatron.training.cpu_compat import install_cpu_compat
+from megatron.training.save_lock import release_save_locks
 
 
 def _use_deterministic_kernels():
@@ -80,3 +81,4 @@ def shutdown():
     if torch.distributed.is_initialized():
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()
+    release_save_locks()  # the job's saves are done (the exit would release it too)

@@ -25,6 +25,7 @@ from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
 from megatron.training.plugins import PluginRegistry
 from megatron.training.profiling import build_profiler
+from megatron.training.save_dir_checks import claim_save_dir
 from megatron.training.signal_handler import StopSignalAgreement
 from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
@@ -192,6 +193,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     registry.validate_args(args)
     use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
+    claim_save_dir(args)  # a second job on the same --save is refused before it starts
     start = time.time()
     initialize_megatron(args, functools.partial(registry.first_that_handles, "start_process_group"))
     parts = JobParts(tokenizer, functools.partial(model_provider, args), dataset_provider,

@@ -10,6 +10,8 @@ import torch
 from megatron.training.checkpointing import read_tracker
 from megatron.training.data import blend_from_args
 from megatron.training.errors import ArgumentError
+from megatron.training.save_dir_checks import check_save_dir
+from megatron.training.writable_paths import check_directory_writable
 
 
 def _require(condition, message):
@@ -208,6 +210,7 @@ def _validate_schedule(args):
     if args.save_interval is not None:
         _require(args.save_interval >= 1, "--save-interval must be >= 1")
         _require(args.save is not None, "--save-interval needs --save <directory>")
+    check_save_dir(args)
 
 
 def _validate_data(args):
@@ -238,8 +241,8 @@ def _validate_profiling_and_tensorboard(args):
                  "on CPU add --use-pytorch-profiler")
     _require(args.tensorboard_log_interval >= 1, "--tensorboard-log-interval must be >= 1")
     _require(args.tensorboard_queue_size >= 1, "--tensorboard-queue-size must be >= 1")
-    _require(args.tensorboard_dir is None or not os.path.exists(args.tensorboard_dir)
-             or os.path.isdir(args.tensorboard_dir), f"--tensorboard-dir {args.tensorboard_dir} is not a directory")
+    if args.tensorboard_dir is not None:
+        check_directory_writable(args.tensorboard_dir, "--tensorboard-dir")
 
 
 def validate_args(args, world_size=None):

@@ -1,7 +1,8 @@
 """Outputs appear whole or not at all: written under a temporary name beside the target, then renamed.
 
-An interrupted aggregation never leaves a half-written file that a viewer or a later step would take
-for a complete one, and a failed write leaves any earlier output in place.
+An interrupted write (an aggregation, a schedule log, a checkpoint tracker) never leaves a half-written
+file that a viewer or a later step would take for a complete one, a failed write leaves any earlier
+output in place, and the temporary file is removed whatever happens.
 
 The temporary file is created the way ``open(path, "w")`` creates a file, with mode 0666 less the
 user's umask, and the rename keeps that mode: on a shared cluster, teammates read the merged trace
