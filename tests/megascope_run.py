@@ -1,5 +1,6 @@
 """torchrun worker: capture every hook of a tiny GPT (full forward, and a KV-cache decode step), then the
-perturbation phases (megascope_perturbation_phases.py), and save rank 0's results to OUT_DIR/saved.pt.
+perturbation phases (megascope_perturbation_phases.py) and the patching phases (megascope_patching_phases.py),
+and save rank 0's results to OUT_DIR/saved.pt.
 Usage: megascope_run.py OUT_DIR <pretrain_gpt flags>."""
 
 import sys
@@ -8,6 +9,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megascope_model import build, capture, forward
+from megascope_patching_phases import patching_phases
 from megascope_perturbation_phases import perturbation_phases
 
 from megascope.capture import CaptureSpec
@@ -37,6 +39,8 @@ def main():
         if args.attention_backend == "unfused":
             saved["unfused_probs"] = _unfused_probs(chunks, tokens)
     saved["perturbation"] = perturbation_phases(chunks, tokens)
+    with torch.no_grad():
+        saved["patching"] = patching_phases(chunks, tokens)
     if torch.distributed.get_rank() == 0:
         torch.save(saved, f"{out_dir}/saved.pt")
 
