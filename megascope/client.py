@@ -12,6 +12,7 @@ Every call sends one request and reads until its answer; an error frame that ans
 ``MegaScopeError`` (its code, message and field). Data frames are decoded by megascope.wire (the one decoder).
 """
 
+import contextlib
 import itertools
 import json
 from dataclasses import dataclass, field
@@ -59,9 +60,16 @@ class Generation:
     def generated(self) -> list:
         return self.done["tokens"]
 
-    def activation(self, hook: str, prompt: int = 0) -> np.ndarray:
-        """The values of ``hook`` (full name, e.g. "blocks.3.resid_post") for ``prompt``: [tokens, ...]."""
-        return self.activations[(hook, prompt)].values
+    def activation(self, hook: str, prompt: int = 0, position: int | None = None) -> np.ndarray:
+        """The values of ``hook`` (full name, e.g. "blocks.3.resid_post") for ``prompt``: [tokens, ...] from the
+        first position captured (``activations[...].start``), or the values at one absolute ``position``."""
+        captured = self.activations[(hook, prompt)]
+        if position is None:
+            return captured.values
+        if not captured.start <= position < captured.start + len(captured.values):
+            raise IndexError(f"{hook} of prompt {prompt} was captured at positions [{captured.start}, "
+                             f"{captured.start + len(captured.values)}), not at {position}")
+        return captured.values[position - captured.start]
 
     def step(self, step: int, prompt: int = 0) -> dict | None:
         """The token message entry of ``prompt`` at ``step`` (token_id, prob, logprob, topk), or None."""
@@ -94,7 +102,8 @@ class MegaScopeClient:
     def __init__(self, url: str, token: str | None = None, timeout: float = 300):
         self.timeout = timeout
         self._numbers = itertools.count(1)
-        self._connection = connect(url, max_size=None, open_timeout=timeout)
+        self._open = contextlib.ExitStack()
+        self._connection = self._open.enter_context(connect(url, max_size=None, open_timeout=timeout))
         self.welcome = self._request({"type": "hello", "protocol": PROTOCOL_VERSION, "token": token}, "welcome")
 
     def __enter__(self):
@@ -104,7 +113,7 @@ class MegaScopeClient:
         self.close()
 
     def close(self) -> None:
-        self._connection.close()
+        self._open.close()
 
     @property
     def model(self) -> dict:
@@ -119,23 +128,23 @@ class MegaScopeClient:
         request = {"type": "generate", "prompts": list(prompts), "tokens_to_generate": tokens_to_generate,
                    "capture": capture, "patch": list(patch or []), **sampling}
         number = self._send(request)
-        frames, run = [], {"tokens": [], "logit_lens": []}
+        frames, streamed, once = [], {"token": [], "logit_lens": []}, {}
         while True:
             message = self._receive(number)
             if isinstance(message, bytes):
                 frames.append(decode_data_frame(message))
-            elif message["type"] in ("token", "logit_lens"):
-                run[message["type"]].append(message)
+            elif message["type"] in streamed:
+                streamed[message["type"]].append(message)
             elif message["type"] in ("generation_started", "pca"):
-                run[message["type"]] = message
+                once[message["type"]] = message
             elif message["type"] == "generation_done":
                 break
         if message["dropped_frames"]:
             raise MegaScopeError("dropped", f"the server's send queue dropped {message['dropped_frames']} data "
                                  "frames of this generation: capture fewer hooks or layers, reduce them, or "
                                  "start the server with a larger --ws-send-queue-frames")
-        return Generation(started=run["generation_started"], done=message, tokens=run["tokens"],
-                          logit_lens=run["logit_lens"], pca=run.get("pca"), activations=_joined(frames))
+        return Generation(started=once["generation_started"], done=message, tokens=streamed["token"],
+                          logit_lens=streamed["logit_lens"], pca=once.get("pca"), activations=_joined(frames))
 
     def capture(self, prompts: list, hooks: list, tokens_to_generate: int = 0, patch: list | None = None,
                 sampling: dict | None = None, **capture) -> Generation:
