@@ -443,6 +443,7 @@ TRANSPLANT = [{"hook": "resid_post", "layers": [3], "positions": [LAST], "source
 # Query heads 1 and 2 (on different ranks at TP2) from prompt 1 at every position read, prefill and decode steps.
 HEADS = [{"hook": "attn.q", "layers": [1], "heads": [1, 2], "source": {"prompt": 1}}]
 SEEDED = {"tokens_to_generate": 4, "random_seed": 7}
+GREEDY_PAIR = {"tokens_to_generate": 8, "top_k": 1}
 
 
 def patched_runs(url, token=None):
@@ -486,6 +487,24 @@ def test_patches_over_the_websocket_with_the_python_client(one_rank_patches):
     assert zero.generated != plain.generated and zero.done["patched"] == [list(range(LAST + 4))]
     assert zero.started["patch"] == [{"hook": "mlp.out", "source": "zero", "layers": None, "heads": None,
                                       "positions": None, "prompts": None}]
+
+
+def test_the_client_captures_and_perturbs(server):
+    with MegaScopeClient(server.ws, token=TOKEN) as scope:
+        assert scope.model["num_layers"] == 4
+        run = scope.capture(PAIR, ["resid_post", "attn.q"], layers=[3, 4])
+        assert run.generated == [[], []] and run.activations[("blocks.3.attn.q", 1)].dims == ["token", "head", "d_head"]
+        assert run.activation("blocks.3.resid_post", 1).shape == (LAST + 1, 64)
+        before = scope.generate(PAIR, **GREEDY_PAIR).generated
+        assert scope.perturb([NOISE]) == [{**NOISE, "layers": None, "enabled": True}]
+        try:
+            assert scope.generate(PAIR, **GREEDY_PAIR).generated != before
+        finally:
+            assert scope.perturb([]) == []
+        assert scope.generate(PAIR, **GREEDY_PAIR).generated == before
+        with pytest.raises(MegaScopeError) as refused:
+            scope.perturb([{**NOISE, "noise": "loud"}])
+        assert refused.value.field == "perturbations.0.noise"
 
 
 @pytest.mark.parametrize("patch, code, field", [
