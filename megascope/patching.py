@@ -14,6 +14,7 @@ prompt positions, each decode step the one position it reads (``positions`` null
 cache keeps the patched keys and values, so later steps attend to the patched past.
 """
 
+import json
 from dataclasses import asdict, dataclass
 
 import torch
@@ -25,7 +26,6 @@ from megascope.hooks import (
     HIDDEN,
     HOOK_POINTS,
     global_layer_index,
-    hook_point,
     rewrite_output,
     unwrap_model,
 )
@@ -51,7 +51,7 @@ def _indices(value, field, what):
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value):
         raise _bad(f"{field} must be a non-empty list of {what} (integers from 0) or null for all", field)
     if len(set(value)) != len(value):
-        raise _bad(f"{field} names a {what[:-1]} twice", field)
+        raise _bad(f"{field} names a {what[:-1]} twice; name each once", field)
     return tuple(value)
 
 
@@ -80,10 +80,12 @@ class Patch:
         if unknown:
             raise _bad(f"unknown patch field {unknown[0]!r}; known: {', '.join(_FIELDS)}", unknown[0])
         name = obj.get("hook")
-        point = hook_point(name, "hook") if isinstance(name, str) else None
-        if point is None or name not in PATCHABLE:
-            raise ProtocolError("bad_hook", f"hook must be one of the patchable hooks {', '.join(PATCHABLE)}",
-                                "hook")
+        if name is None:
+            raise _bad(f"hook is required: one of {', '.join(PATCHABLE)}", "hook")
+        if name not in PATCHABLE:
+            raise ProtocolError("bad_hook", f"hook {json.dumps(name)[:40]} cannot be patched; patchable hooks: "
+                                f"{', '.join(PATCHABLE)}", "hook")
+        point = HOOK_POINTS[name]
         source = obj.get("source")
         if isinstance(source, dict) and set(source) == {"prompt"}:
             source = _indices([source["prompt"]], "source.prompt", "prompts")[0]

@@ -78,6 +78,7 @@ def test_every_layout_patches_what_one_rank_patches(layout, reference, tmp_root)
 
 @pytest.mark.parametrize("obj, code, field", [
     ({"hook": "attn.pattern", "source": "zero"}, "bad_hook", "patch.0.hook"),
+    ({"source": "zero"}, "bad_field", "patch.0.hook"),
     ({"hook": "resid_mid", "source": "zero"}, "bad_hook", "patch.0.hook"),
     ({"hook": "blocks.1.resid_post", "source": "zero"}, "bad_hook", "patch.0.hook"),
     ({"hook": "resid_post", "source": "ones"}, "bad_field", "patch.0.source"),
