@@ -448,15 +448,17 @@ GREEDY_PAIR = {"tokens_to_generate": 8, "top_k": 1}
 
 def patched_runs(url, token=None):
     """Through the Python client: the pair plain, with each prompt patched by its own activations, with prompt
-    1's last residual in prompt 0, with heads of prompt 1, and with every MLP output zeroed."""
+    1's last residual in prompt 0 (at the prompt's last position; at every position), with heads of prompt 1,
+    and with every MLP output zeroed."""
     with MegaScopeClient(url, token=token) as scope:
         plain = scope.generate(PAIR, capture=LOGITS, **SEEDED)
         own = scope.patch(PAIR, [{"hook": "resid_post", "source": {"prompt": row}, "prompts": [row]}
                                  for row in (0, 1)], capture=LOGITS, **SEEDED)
         transplant = scope.patch(PAIR, TRANSPLANT, capture=LOGITS, **SEEDED)
+        every_step = scope.patch(PAIR, [{**TRANSPLANT[0], "positions": None}], **SEEDED)
         heads = scope.patch(PAIR, HEADS, capture=LOGITS, **SEEDED)
         zero = scope.patch(PAIR, [{"hook": "mlp.out", "source": "zero"}], **SEEDED)
-    return plain, own, transplant, heads, zero
+    return plain, own, transplant, every_step, heads, zero
 
 
 @pytest.fixture(scope="module")
@@ -465,7 +467,7 @@ def one_rank_patches(server):
 
 
 def test_patches_over_the_websocket_with_the_python_client(one_rank_patches):
-    plain, own, transplant, heads, zero = one_rank_patches
+    plain, own, transplant, every_step, heads, zero = one_rank_patches
     assert [len(prompt) for prompt in plain.started["prompt_tokens"]] == [LAST + 1] * 2
     # a prompt patched with its own activations: the same tokens, distributions and logits
     assert [step["tokens"] for step in own.tokens] == [step["tokens"] for step in plain.tokens]
@@ -481,6 +483,12 @@ def test_patches_over_the_websocket_with_the_python_client(one_rank_patches):
     assert transplant.step(0, 1) == plain.step(0, 1)  # the source is not written
     assert transplant.started["patch"] == [{**TRANSPLANT[0], "heads": None, "prompts": None}]
     assert transplant.done["patched"] == [[LAST]]
+    # at every position: each decode step too draws prompt 0's token from prompt 1's distribution
+    assert every_step.generated[0] != every_step.generated[1]  # their own generators: different tokens
+    for step in range(SEEDED["tokens_to_generate"]):
+        ours, theirs = every_step.step(step, 0)["topk"], every_step.step(step, 1)["topk"]
+        assert [t["token_id"] for t in ours] == [t["token_id"] for t in theirs], step
+        assert [t["prob"] for t in ours] == pytest.approx([t["prob"] for t in theirs], abs=1e-5)
     # heads patched at the prefill and at each decode step; zeroed MLPs change the text: both are reported
     assert heads.done["patched"] == [list(range(LAST + 4))]
     assert heads.step(0, 0)["topk"] != plain.step(0, 0)["topk"] and heads.step(0, 1) == plain.step(0, 1)
