@@ -1,6 +1,7 @@
 """tools/run_text_generation_server.py over real sockets: REST and WebSocket generation agree for a seed, at
 one rank and over a pipeline of two; bad requests get a 400 or an error frame naming the field and the
-server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it."""
+server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it;
+activation patches through the Python client (megascope.client) do what they say, the same at TP2xPP2 and DP2."""
 
 import asyncio
 import json
