@@ -98,6 +98,18 @@ def _output_with_bias(output):
     return out if bias is None else out + bias
 
 
+def rewrite_output(output, rewrite, with_bias):
+    """A forward hook's replacement of a module's ``output``: its main tensor through ``rewrite``. ``with_bias``
+    (attn.out, mlp.out, which are read with their bias added): a separate bias is added first and returned as
+    None, so that the model adds nothing after the rewrite."""
+    if not isinstance(output, tuple):
+        return rewrite(output)
+    main, bias = output[0], output[1] if len(output) > 1 else None
+    if with_bias and bias is not None:
+        return (rewrite(main + bias), None)
+    return (rewrite(main), *output[1:])
+
+
 def split_fused_qkv(mixed, num_heads, num_groups, head_dim):
     """megatron-core's fused QKV output [..., groups * (heads/groups + 2) * d] -> q [..., heads, d],
     k and v [..., groups, d]. Per query group: its query heads, then its key head, then its value head."""

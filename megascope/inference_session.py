@@ -19,6 +19,7 @@ from megascope.attribution import Attribution
 from megascope.capture import Capture
 from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
+from megascope.patching import Patch, Patcher, parse_patches
 from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.welcome import welcome_info
@@ -33,8 +34,8 @@ DEFAULT_TOPK = 5
 
 
 class ScopeObserver(NoObserver):
-    """One generation seen from one rank. ``scope``: {"id", "capture": JSON or None} (the job's payload);
-    ``client`` and ``session`` only on rank 0."""
+    """One generation seen from one rank. ``scope``: {"id", "capture": JSON or None, "patch": [checked patches]}
+    (the job's payload); ``client`` and ``session`` only on rank 0."""
 
     hooks_model = True  # capture and perturbations can start at any step: megatron-core's own inference path
 
@@ -47,6 +48,8 @@ class ScopeObserver(NoObserver):
         self.spec = parse_capture(scope["capture"], args.num_layers)
         self.capture = None
         self.attribution = None
+        self.patches = [Patch.from_json(obj) for obj in scope.get("patch", [])]
+        self.patched = [[] for _ in self.patches]  # per patch: the positions it wrote in the steps
         self.pca_vectors = {}  # layer -> [(prompt_index, token_start, values [tokens, hidden])] of the PCA hook
         self.dropped_at_start = client.dropped_total if client else 0
         self.started = None  # rank 0: the generation_started message
@@ -72,12 +75,18 @@ class ScopeObserver(NoObserver):
 
     # -- capture around each forward --
     def forward(self, index, start, end):
-        hooks = contextlib.ExitStack()
+        """The patches (first: the capture sees the patched activations), the capture and the attribution around
+        one step."""
+        around = contextlib.ExitStack()
+        if self.patches:
+            around.enter_context(Patcher(self.model, self.patches, start))
+            for positions, patch in zip(self.patched, self.patches):
+                positions.extend(patch.positions_within(start, end))
         if self.spec is not None:
-            self.capture = hooks.enter_context(Capture(self.model, self.spec, self.args))
+            self.capture = around.enter_context(Capture(self.model, self.spec, self.args))
             if self.spec.attribution:
-                self.attribution = hooks.enter_context(Attribution(self.model))
-        return hooks
+                self.attribution = around.enter_context(Attribution(self.model))
+        return around
 
     def step_done(self, step):
         records = self.capture.collect(step=step.index, token_offset=step.start) if self.capture is not None else []
@@ -108,7 +117,7 @@ class ScopeObserver(NoObserver):
         texts = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
         for row, tokens in enumerate(generation.tokens):
             texts[row, :len(tokens)] = torch.tensor(tokens)
-        with Capture(self.model, self.spec, self.args) as capture:
+        with Patcher(self.model, self.patches, 0), Capture(self.model, self.spec, self.args) as capture:
             forward_logits(self.model, texts.to(self.device), 0)
             records = capture.collect(step=steps, token_offset=0)
         if self.client is not None:
@@ -168,7 +177,7 @@ class ScopeObserver(NoObserver):
                                     zip(generation.tokens, generation.prompt_lengths)],
                           "tokens": [tokens[length:] for tokens, length in
                                      zip(generation.tokens, generation.prompt_lengths)],
-                          "finish_reason": generation.finish_reasons,
+                          "finish_reason": generation.finish_reasons, "patched": self.patched,
                           "dropped_frames": self.client.dropped_total - self.dropped_at_start})
 
     def _pca_message(self, layer, vectors, generation):
@@ -260,6 +269,8 @@ class InferenceSession:
         prompts = self.encoder.encode(request)
         capture = self._captures.get(client) if request["capture"] == "connection" else request["capture"]
         spec = parse_capture(capture, self.args.num_layers)
+        patches = [patch.to_json() for patch in parse_patches(request["patch"], self.welcome_info()["model"],
+                                                              len(prompts))]
         seed = pick_seed(request["random_seed"])
         with self._lock:
             self._numbers += 1
@@ -268,10 +279,11 @@ class InferenceSession:
         if topk > self.limits.max_topk:
             raise ProtocolError("bad_field", f"capture.topk must be at most {self.limits.max_topk}", "capture.topk")
         payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed, topk),
-                   "scope": {"id": gen_id, "capture": capture}}
+                   "scope": {"id": gen_id, "capture": capture, "patch": patches}}
         observer = ScopeObserver(payload["scope"], self.model, self.args, client, self)
         observer.started = {"type": "generation_started", "id": gen_id, "random_seed": seed, "prompt_tokens": [
-            [{"id": token, "text": self.encoder.token_text(token)} for token in tokens] for tokens in prompts]}
+            [{"id": token, "text": self.encoder.token_text(token)} for token in tokens] for tokens in prompts],
+            "patch": patches}
         job = Job(payload=payload, observer=observer, source="websocket")
         with self._lock:  # before the model loop can finish it
             if client in self._running:
@@ -300,6 +312,7 @@ class InferenceSession:
             prompts = len(job.payload["prompts"])
             client.send({"type": "generation_done", "id": job.observer.id, "texts": [""] * prompts,
                          "tokens": [[] for _ in range(prompts)], "finish_reason": ["error"] * prompts,
+                         "patched": job.observer.patched,
                          "dropped_frames": client.dropped_total - job.observer.dropped_at_start})
             return
         job.observer.finish(job.result)

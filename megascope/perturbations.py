@@ -26,7 +26,7 @@ from megatron.core import parallel_state
 from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
 
 from megascope.errors import ProtocolError, within
-from megascope.hooks import global_layer_index, unwrap_model
+from megascope.hooks import global_layer_index, rewrite_output, unwrap_model
 
 STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
                    "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "ln1": "input_layernorm",
@@ -263,14 +263,9 @@ class PerturbationSet:
         return _sequence_shard if split else None
 
     def _hook_output(self, module, p, name, shard):
-        def hook(_module, _inputs, output):
-            if not isinstance(output, tuple):
-                return self._noisy(output, p, name, shard, 0)
-            main, bias = output[0], output[1] if len(output) > 1 else None
-            if name.endswith(("attn.out", "mlp.out")) and bias is not None:  # the output includes its bias
-                return (self._noisy(main + bias, p, name, shard, 0), None)
-            return (self._noisy(main, p, name, shard, 0), *output[1:])
-        self.handles.append(module.register_forward_hook(hook))
+        with_bias = name.endswith(("attn.out", "mlp.out"))  # the output includes its bias
+        self.handles.append(module.register_forward_hook(lambda _module, _inputs, output: rewrite_output(
+            output, lambda values: self._noisy(values, p, name, shard, 0), with_bias)))
 
     def _noisy(self, values, p, name, shard, split_dim):
         """``values`` with noise drawn for the whole activation (counting forwards since the set was

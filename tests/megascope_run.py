@@ -1,5 +1,7 @@
 """torchrun worker: capture every hook of a tiny GPT (full forward, and a KV-cache decode step), the direct logit
-attribution of two chosen tokens at the last position, then the perturbation phases (megascope_perturbation_phases.py), and save rank 0's results to OUT_DIR/saved.pt.
+attribution of two chosen tokens at the last position, then the perturbation phases
+(megascope_perturbation_phases.py) and the patching phases (megascope_patching_phases.py), and save rank 0's
+results to OUT_DIR/saved.pt.
 Usage: megascope_run.py OUT_DIR <pretrain_gpt flags>."""
 
 import sys
@@ -8,6 +10,7 @@ import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
 from megascope_model import build, capture, forward
+from megascope_patching_phases import patching_phases
 from megascope_perturbation_phases import perturbation_phases
 
 from megascope.attribution import Attribution
@@ -42,6 +45,8 @@ def main():
         if args.attention_backend == "unfused":
             saved["unfused_probs"] = _unfused_probs(chunks, tokens)
     saved["perturbation"] = perturbation_phases(chunks, tokens)
+    with torch.no_grad():
+        saved["patching"] = patching_phases(chunks, tokens)
     if torch.distributed.get_rank() == 0:
         torch.save(saved, f"{out_dir}/saved.pt")
 

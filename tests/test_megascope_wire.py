@@ -21,7 +21,7 @@ def test_generate_defaults_filled():
     message = parse_message(json.dumps({"type": "generate", "id": "a", "prompts": ["hi"]}))
     assert message == {"type": "generate", "id": "a", "prompts": ["hi"], "tokens_to_generate": 32,
                        "temperature": 1.0, "top_k": 0, "top_p": 0.0, "random_seed": None, "add_BOS": False,
-                       "stop_tokens": [], "chat": False, "capture": "connection"}
+                       "stop_tokens": [], "chat": False, "capture": "connection", "patch": []}
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -1,6 +1,7 @@
 """tools/run_text_generation_server.py over real sockets: REST and WebSocket generation agree for a seed, at
 one rank and over a pipeline of two; bad requests get a 400 or an error frame naming the field and the
-server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it."""
+server goes on; a token guards a non-local WebSocket host; a client leaving mid-generation cancels it;
+activation patches through the Python client (megascope.client) do what they say, the same at TP2xPP2 and DP2."""
 
 import asyncio
 import json
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 import websockets
 
+from megascope.client import MegaScopeClient, MegaScopeError
 from megascope.wire import decode_data_frame
 from megatron.inference.model_setup import setup_for_generation
 from megatron.training.errors import ArgumentError
@@ -511,16 +513,138 @@ def test_the_page_build_is_served_at_the_root_when_there_is_one(server):
     assert api.value.code == 405 and b"use PUT /api" in api.value.read()
 
 
+# Two prompts of 5 tokens each: a patch writes prompt 1's activations at prompt 0's positions.
+PAIR = ["The said that it was", "A is in the and"]
+LAST = 4
+LOGITS = {"hooks": ["logits"]}
+TRANSPLANT = [{"hook": "resid_post", "layers": [3], "positions": [LAST], "source": {"prompt": 1}}]
+# Query heads 1 and 2 (on different ranks at TP2) from prompt 1 at every position read, prefill and decode steps.
+HEADS = [{"hook": "attn.q", "layers": [1], "heads": [1, 2], "source": {"prompt": 1}}]
+SEEDED = {"tokens_to_generate": 4, "random_seed": 7}
+GREEDY_PAIR = {"tokens_to_generate": 8, "top_k": 1}
+
+
+def patched_runs(url, token=None):
+    """Through the Python client: the pair plain, with each prompt patched by its own activations, with prompt
+    1's last residual in prompt 0 (at the prompt's last position; at every position), with heads of prompt 1,
+    and with every MLP output zeroed."""
+    with MegaScopeClient(url, token=token) as scope:
+        plain = scope.generate(PAIR, capture=LOGITS, **SEEDED)
+        own = scope.patch(PAIR, [{"hook": "resid_post", "source": {"prompt": row}, "prompts": [row]}
+                                 for row in (0, 1)], capture=LOGITS, **SEEDED)
+        transplant = scope.patch(PAIR, TRANSPLANT, capture=LOGITS, **SEEDED)
+        every_step = scope.patch(PAIR, [{**TRANSPLANT[0], "positions": None}], **SEEDED)
+        heads = scope.patch(PAIR, HEADS, capture=LOGITS, **SEEDED)
+        zero = scope.patch(PAIR, [{"hook": "mlp.out", "source": "zero"}], **SEEDED)
+    return plain, own, transplant, every_step, heads, zero
+
+
+@pytest.fixture(scope="module")
+def one_rank_patches(server):
+    return patched_runs(server.ws, TOKEN)
+
+
+def test_patches_over_the_websocket_with_the_python_client(one_rank_patches):
+    plain, own, transplant, every_step, heads, zero = one_rank_patches
+    assert [len(prompt) for prompt in plain.started["prompt_tokens"]] == [LAST + 1] * 2
+    # a prompt patched with its own activations: the same tokens, distributions and logits
+    assert [step["tokens"] for step in own.tokens] == [step["tokens"] for step in plain.tokens]
+    for row in (0, 1):
+        np.testing.assert_array_equal(own.activation("logits", row), plain.activation("logits", row))
+    assert plain.activations[("logits", 0)].start == LAST  # the prefill keeps the logits of its last position
+    # prompt 1's last residual in prompt 0: prompt 0's next token is drawn from prompt 1's distribution
+    assert plain.step(0, 0)["topk"] != plain.step(0, 1)["topk"]
+    for entry, want in zip(transplant.step(0, 0)["topk"], plain.step(0, 1)["topk"]):
+        assert entry["token_id"] == want["token_id"] and entry["prob"] == pytest.approx(want["prob"], abs=1e-5)
+    np.testing.assert_allclose(transplant.activation("logits", 0, LAST), plain.activation("logits", 1, LAST),
+                               atol=1e-2)  # float16 on the wire
+    assert transplant.step(0, 1) == plain.step(0, 1)  # the source is not written
+    assert transplant.started["patch"] == [{**TRANSPLANT[0], "heads": None, "prompts": None}]
+    assert transplant.done["patched"] == [[LAST]]
+    # at every position: each decode step too draws prompt 0's token from prompt 1's distribution
+    assert every_step.generated[0] != every_step.generated[1]  # their own generators: different tokens
+    for step in range(SEEDED["tokens_to_generate"]):
+        ours, theirs = every_step.step(step, 0)["topk"], every_step.step(step, 1)["topk"]
+        assert [t["token_id"] for t in ours] == [t["token_id"] for t in theirs], step
+        assert [t["prob"] for t in ours] == pytest.approx([t["prob"] for t in theirs], abs=1e-5)
+    # heads patched at the prefill and at each decode step; zeroed MLPs change the text: both are reported
+    assert heads.done["patched"] == [list(range(LAST + 4))]
+    assert heads.step(0, 0)["topk"] != plain.step(0, 0)["topk"] and heads.step(0, 1) == plain.step(0, 1)
+    assert zero.generated != plain.generated and zero.done["patched"] == [list(range(LAST + 4))]
+    assert zero.started["patch"] == [{"hook": "mlp.out", "source": "zero", "layers": None, "heads": None,
+                                      "positions": None, "prompts": None}]
+
+
+def test_the_client_captures_and_perturbs(server):
+    with MegaScopeClient(server.ws, token=TOKEN) as scope:
+        assert scope.model["num_layers"] == 4
+        run = scope.capture(PAIR, ["resid_post", "attn.q"], layers=[3, 4])
+        assert run.generated == [[], []] and run.activations[("blocks.3.attn.q", 1)].dims == ["token", "head", "d_head"]
+        assert run.activation("blocks.3.resid_post", 1).shape == (LAST + 1, 64)
+        before = scope.generate(PAIR, **GREEDY_PAIR).generated
+        assert scope.perturb([NOISE]) == [{**NOISE, "layers": None, "enabled": True}]
+        try:
+            assert scope.generate(PAIR, **GREEDY_PAIR).generated != before
+        finally:
+            assert scope.perturb([]) == []
+        assert scope.generate(PAIR, **GREEDY_PAIR).generated == before
+        with pytest.raises(MegaScopeError) as refused:
+            scope.perturb([{**NOISE, "noise": "loud"}])
+        assert refused.value.field == "perturbations.0.noise"
+
+
+@pytest.mark.parametrize("patch, code, field", [
+    ({"hook": "attn.pattern", "source": "zero"}, "bad_hook", "patch.0.hook"),
+    ({"hook": "resid_post", "source": {"prompt": 2}}, "bad_field", "patch.0.source.prompt"),
+    ({"hook": "attn.q", "heads": [4], "source": "mean"}, "bad_field", "patch.0.heads"),
+    ({"hook": "resid_post", "layers": [4], "source": "zero"}, "bad_field", "patch.0.layers"),
+    ({"hook": "resid_post", "source": "zero", "eval": "1"}, "bad_field", "patch.0.eval"),
+])
+def test_a_bad_patch_is_one_error_frame_and_the_connection_goes_on(server, patch, code, field):
+    async def client():
+        async with websocket(server) as ws:
+            await welcomed(ws)
+            await send(ws, {"type": "generate", "id": "p", "prompts": PAIR, "patch": [patch]})
+            error = await receive(ws)
+            await send(ws, {"type": "ping", "id": "after"})
+            return error, await receive(ws)
+    error, after = run(client())
+    assert (error["type"], error["code"], error["field"], error["id"]) == ("error", code, field, "p"), error
+    assert after == {"type": "pong", "id": "after"}  # nothing else came: one error frame, no generation
+    with MegaScopeClient(server.ws, token=TOKEN) as scope, pytest.raises(MegaScopeError) as raised:
+        scope.patch(PAIR, [patch])
+    assert (raised.value.code, raised.value.field) == (code, field)
+
+
 # Every upper bit of mlp.fc1's float32 storage flipped: its zero biases become NaN, and so do the logits (bit
 # flips in exponent bits do that to a trained model; a 4-rank server then died inside torch.multinomial).
 BREAKING = {"id": "b", "kind": "storage", "target": "mlp.fc1", "noise": "bitflip", "scale": 1.0}
 
 
-@pytest.mark.parametrize("flags", [["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], []],
-                         ids=["tp2_pp2", "dp2"])
-def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_server_goes_on(flags):
-    nproc = 4 if flags else 2
-    server = GenerationServer(nproc, TINY_SERVER + flags)
+@pytest.fixture(scope="module", params=["tp2_pp2", "dp2"])
+def layout_server(request):
+    """A server of four ranks (TP2xPP2) or of two data-parallel replicas, shared by the module's tests."""
+    flags = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+    started = GenerationServer(4, TINY_SERVER + flags) if request.param == "tp2_pp2" else \
+        GenerationServer(2, TINY_SERVER)
+    yield started
+    started.stop()
+
+
+def test_patches_at_tp2_pp2_and_dp2_equal_one_rank(layout_server, one_rank_patches):
+    for got, want in zip(patched_runs(layout_server.ws), one_rank_patches):
+        assert got.generated == want.generated and got.done["patched"] == want.done["patched"]
+        for ours, theirs in zip(got.tokens, want.tokens):
+            for entry, other in zip(ours["tokens"], theirs["tokens"]):
+                assert [t["token_id"] for t in entry["topk"]] == [t["token_id"] for t in other["topk"]]
+                assert entry["prob"] == pytest.approx(other["prob"], abs=1e-4)
+        assert got.activations.keys() == want.activations.keys()
+        for key, activation in want.activations.items():
+            np.testing.assert_allclose(got.activations[key].values, activation.values, atol=2e-3)
+
+
+def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_server_goes_on(layout_server):
+    server = layout_server
     try:
         set_perturbations(server, [BREAKING])
 
@@ -539,12 +663,12 @@ def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_s
         assert done["finish_reason"] == ["error", "error"]
         status, answer = server.put(SAMPLED)  # REST: every data-parallel replica's share broke
         assert status == 422 and "not finite" in answer["error"], answer
-        set_perturbations(server, [])
-        status, answer = server.put(SAMPLED)
-        assert status == 200 and len(answer["tokens"]) == 2, answer
-        assert server.job.poll() is None
     finally:
-        server.stop()
+        set_perturbations(server, [])
+    status, answer = server.put(SAMPLED)
+    assert status == 200 and len(answer["tokens"]) == 2, answer
+    assert server.job.poll() is None
+
 
 
 def _raw_put(server, head, body=b""):
