@@ -15,7 +15,9 @@ import numpy as np
 
 from megascope.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+# Version 2 only added to version 1 (fields, messages, a close code): a version-1 client's hello is taken too.
+ACCEPTED_PROTOCOLS = (1, 2)
 ERROR_CODES = ("bad_json", "unknown_type", "bad_field", "bad_reduction", "bad_hook", "unauthorized",
                "too_large", "rate_limited", "busy", "non_finite", "internal")
 DATA_MAGIC = b"MSD1"

@@ -30,7 +30,7 @@ import websockets
 from websockets.asyncio.server import serve
 
 from megascope.errors import ProtocolError
-from megascope.wire import (INFERENCE_TYPES, PROTOCOL_VERSION, TRAINING_TYPES, Limits, encode_message,
+from megascope.wire import (ACCEPTED_PROTOCOLS, INFERENCE_TYPES, PROTOCOL_VERSION, TRAINING_TYPES, Limits, encode_message,
                             echo_id, error_from, error_message, parse_message,
                             sent_id)
 from megatron.training.errors import UserError
@@ -265,9 +265,9 @@ class WebSocketServer:
         return True
 
     async def _hello(self, client, message):
-        if message["protocol"] != PROTOCOL_VERSION:
-            raise ProtocolError("bad_field", f"this server speaks protocol {PROTOCOL_VERSION}, not "
-                                f"{message['protocol']}", "protocol")
+        if message["protocol"] not in ACCEPTED_PROTOCOLS:
+            raise ProtocolError("bad_field", f"this server speaks protocol {PROTOCOL_VERSION} (and takes a version-1 "
+                                f"hello), not {message['protocol']}", "protocol")
         if self.token is not None and not hmac.compare_digest(
                 (message["token"] or "").encode(), self.token.encode()):
             refusal = error_message("unauthorized", "missing or wrong token; use the token the server printed",

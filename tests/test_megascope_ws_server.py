@@ -106,9 +106,11 @@ def test_oversized_closes_only_that_connection_and_wrong_version():
                 await ws.recv()
             assert closed.value.rcvd.code == 1009
         async with connect(f"ws://127.0.0.1:{server.port}") as ws:
-            error = await hello(ws, protocol=2)
+            error = await hello(ws, protocol=3)
             assert (error["code"], error["field"]) == ("bad_field", "protocol")
-            assert (await hello(ws))["type"] == "welcome"
+            assert (await hello(ws, protocol=2))["protocol"] == 2
+        async with connect(f"ws://127.0.0.1:{server.port}") as ws:
+            assert (await hello(ws))["protocol"] == 2  # a version-1 hello is taken: version 2 only adds
 
     run(client())
     server.stop()

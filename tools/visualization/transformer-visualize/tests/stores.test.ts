@@ -15,7 +15,7 @@ import { decodeDataFrame } from '../src/protocol/dataFrame';
 import { buildFrame } from './frames';
 
 const WELCOME = {
-  type: 'welcome', protocol: 1, mode: 'inference',
+  type: 'welcome', protocol: 2, mode: 'inference',
   model: { num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, vocab_size: 100, tp: 1, pp: 1, dp: 1 },
   hooks: ['embed', 'blocks.{l}.attn.pattern'], reductions: ['none', 'norm'], noise: ['gaussian'], limits: {},
   perturbation_targets: { storage: ['attn.qkv', 'ln2'], calculation: ['embed', 'final_norm'], system: ['resid'] },
@@ -84,8 +84,8 @@ describe('connection store', () => {
       welcoming(message, reply);
       if (message.type === 'ping') reply({ type: 'error', code: 'rate_limited', message: 'more than 50 messages in a second; slow down.', id: 'x' });
     });
-    expect(received[0]).toEqual({ type: 'hello', protocol: 1, token: 'secret' });
-    expect(connection.protocolVersion).toBe(1);
+    expect(received[0]).toEqual({ type: 'hello', protocol: 2, token: 'secret' });
+    expect(connection.protocolVersion).toBe(2);
     expect(connection.mode).toBe('inference');
     expect(connection.send({ type: 'ping' })).toBe(true);
     await until(() => connection.errors.length === 1, 'the error frame');
