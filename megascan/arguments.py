@@ -25,6 +25,11 @@ def add_arguments(parser):
                        help="(testing) make this global rank's layer compute slower, --device cpu only")
     group.add_argument("--inject-slowdown-factor", type=float, default=2.0,
                        help="(testing) how many times slower --inject-slowdown-rank computes")
+    group.add_argument("--inject-host-delay-rank", type=int, default=None,
+                       help="(testing) this global rank's host sleeps before each microbatch's forward, as slow "
+                            "data loading would (its GPU, if any, waits for it: a host-bound rank)")
+    group.add_argument("--inject-host-delay-ms", type=float, default=20.0,
+                       help="(testing) how long --inject-host-delay-rank sleeps before each microbatch (ms)")
     group.add_argument("--inject-hang-rank", type=int, default=None,
                        help="(testing) this global rank stops itself (SIGSTOP) in --inject-hang-iteration")
     group.add_argument("--inject-hang-iteration", type=int, default=None,
@@ -80,7 +85,8 @@ def _existing_ancestor(path):
 
 
 def fault_injection_requested(args):
-    return args.inject_slowdown_rank is not None or args.inject_hang_rank is not None
+    return any(rank is not None for rank in (args.inject_slowdown_rank, args.inject_host_delay_rank,
+                                             args.inject_hang_rank))
 
 
 def validate_fault_injection_args(args):
@@ -92,8 +98,14 @@ def validate_fault_injection_args(args):
             _require(args.device == "cpu",
                      f"{flag} acts on the host and works with --device cpu only; "
                      f"on GPUs slow one down with scripts/gpu_load.py")
+    rank = args.inject_host_delay_rank
+    if rank is not None:  # a real host delay on a GPU job too: the host is what it slows
+        _require(0 <= rank < args.world_size,
+                 f"--inject-host-delay-rank {rank} is not a rank of this job (0..{args.world_size - 1})")
     factor = args.inject_slowdown_factor
     _require(factor >= 1.0, f"--inject-slowdown-factor must be at least 1, got {factor}")
+    delay = args.inject_host_delay_ms
+    _require(delay > 0, f"--inject-host-delay-ms must be positive, got {delay}")
     if args.inject_hang_rank is not None:
         iteration = args.inject_hang_iteration
         _require(iteration is not None and 1 <= iteration <= args.train_iters,

@@ -55,3 +55,17 @@ def test_blocked_ranks_behind_a_hang_are_not_hung(tmp_path):
                    and entry["waits_for"] != [5]]
     assert both_issued  # waiting in an exchange whose other side is itself blocked: the case that was misnamed
     assert "Blocked (not hung" in report.to_text()
+
+
+def test_host_bound_rank_is_listed_apart_with_its_launch_waits(tmp_path):
+    """A host five times slower (its GPU idles between launches, its layers look 1.5x longer) is host-bound,
+    not a slow GPU: no suspect, and its evidence says how long its GPU waited for launches against its peers."""
+    scenario = Scenario("slow host", dp=2, tp=2, pp=2, seed=0, host_slow={1: 5.0})
+    report = detect(load_and_merge(simulate(scenario, tmp_path).directory))
+    assert report.suspects == [] and [entry.rank for entry in report.host_bound] == [1], report.to_text()
+    evidence = report.host_bound[0].evidence[0]
+    waited, peers = (float(evidence.split(part)[1].split("%")[0]) for part in ("launches ", "(its peers: "))
+    assert waited > 30 > peers, evidence
+    text = report.to_text()
+    assert text.startswith("MegaScan detection: no suspect") and "Host-bound (not a slow GPU" in text
+

@@ -1,5 +1,6 @@
-"""MegaScan end to end on CPU: traced runs with one rank slowed (or stopped) by the fault-injection
-flags, aggregated and analysed: the report names exactly that rank first, and nobody in a healthy run."""
+"""MegaScan end to end on CPU: traced runs with one rank slowed (or stopped, or its host delayed) by the
+fault-injection flags, aggregated and analysed: the report names exactly that rank first, and nobody in a
+healthy run."""
 
 import json
 import subprocess
@@ -7,12 +8,19 @@ import sys
 import time
 
 import pytest
+from launch import (
+    REPO,
+    TINY_GPT,
+    child_env,
+    gpt_data_args,
+    kill_process_tree,
+    running_with_argument,
+    torchrun_command,
+)
+from megascan_runs import LAYOUTS, traced_run
 
-from launch import (REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, running_with_argument,
-                    torchrun_command)
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
-from megascan_runs import LAYOUTS, traced_run
 
 SLOW = {  # name: (layout, slowed rank): a TP peer, a DP replica, a pipeline stage
     "tp peer": ("TP2xPP2", 1),
@@ -31,6 +39,19 @@ def test_slowed_rank_is_named_first_and_alone(gpt_data, tmp_path, name):
     assert report.suspects[0].kind == "slow_rank"
 
 
+def test_host_delayed_rank_is_host_bound_not_a_slow_rank(gpt_data, tmp_path):
+    """Rank 1's host sleeps before each microbatch (as slow data loading would): its layers are as fast as
+    its peers', so it is no slow rank; on CPU host and device share one clock, so what shows is own work
+    outside the traced layers: host-bound."""
+    traced_run(gpt_data, tmp_path, "TP2xPP2", extra=["--inject-host-delay-rank", "1",
+                                                      "--inject-host-delay-ms", "60"])
+    report = detect(load_and_merge(tmp_path))
+    assert report.suspects == [], report.to_text()
+    assert [entry.rank for entry in report.host_bound] == [1], report.to_text()
+    assert "outside the model's layers" in report.host_bound[0].evidence[0]
+    assert "Host-bound (not a slow GPU" in report.to_text()
+
+
 def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
     traced_run(gpt_data, tmp_path / "trace", "DP2xTP2xPP2")
     merged = load_and_merge(tmp_path / "trace")
@@ -39,7 +60,8 @@ def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
     assert {i.kind for i in merged.instances} == {"collective", "p2p"}
     assert detect(merged).suspects == []
     result = subprocess.run([sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(tmp_path / "trace"),
-                             "-o", str(tmp_path / "merged.json"), "-d"], capture_output=True, text=True, cwd=REPO)
+                             "-o", str(tmp_path / "merged.json"), "-d"], capture_output=True, text=True, cwd=REPO,
+                            check=False)
     assert result.returncode == 0 and "no suspect" in result.stdout, result.stdout + result.stderr
     chrome = json.loads((tmp_path / "merged.json").read_text())
     events = chrome["traceEvents"] if isinstance(chrome, dict) else chrome
