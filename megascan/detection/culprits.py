@@ -133,7 +133,7 @@ def find_culprits(merged, attribution, compute, groups, nvml):
               and sum(us for other, us in delay.masked_us.items() if other in named) >= MIN_CAUSED_SHARE * path}
     suspects, host_bound = [], []
     for rank in named | masked:
-        trace, delay = merged.ranks[rank], slow[rank]
+        trace, delay = merged.ranks[rank], attribution.ranks[rank]
         evidence = _evidence(rank, attribution, compute, delay, groups)
         if rank in masked:
             evidence.insert(1, _masked_evidence(delay, named, attribution))

@@ -106,17 +106,22 @@ def attribute_delays(timelines, paths, compute_ratios):
     transfer = _transfer_times(timelines, awaited)
     expected_transfer = medians_of_others(transfer, timelines.role_key)
     charged_links = defaultdict(float)
+    expected_lengths = []  # each iteration's length less what was charged for it: what the run took unslowed
     for path in paths:
+        charged = 0.0
         for record in path.work:
             delay = ranks[int(timelines.rank[record])]
             delay.path_us += timelines.gap[record]
             if comparable[record]:
                 delay.charged_us += timelines.gap[record] - expected_gap[record]
+                charged += timelines.gap[record] - expected_gap[record]
         for finishing, _ in path.transfers:
             instance = timelines.instances[timelines.instance[finishing]]
             excess = transfer[finishing] - expected_transfer[finishing]
             if instance.kind == "p2p" and not np.isnan(excess):
                 charged_links[instance.src, instance.dst] += float(excess)
+                charged += float(excess)
+        expected_lengths.append(path.length_us - charged)
     # Off the iteration's path too, the work before an operation that others waited for delayed them: a
     # slow GPU in the DP replica that was not the slowest still held its own replica back.
     waited_for = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
@@ -129,7 +134,7 @@ def attribute_delays(timelines, paths, compute_ratios):
     _split_host_and_device(timelines, waited_for, ranks)
     _add_masked(timelines, awaited, comparable, timelines.gap - expected_gap, ranks)
     return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links),
-                            estimate_noise(timelines, expected_gap, [path.length_us for path in paths]))
+                            estimate_noise(timelines, expected_gap, expected_lengths))
 
 
 def _split_host_and_device(timelines, waited_for, ranks):
