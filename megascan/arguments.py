@@ -21,6 +21,15 @@ def add_arguments(parser):
     group.add_argument("--trace-granularity", choices=("base", "full"), default="full",
                        help="base: iterations, microbatches, optimizer, communication; "
                             "full: also every layer's attention and MLP")
+    group.add_argument("--trace-detect", action="store_true",
+                       help="judge each trace window while training runs: rank 0 prints 'MegaScan alert: ...' "
+                            "naming a slow or hung rank and why")
+    group.add_argument("--trace-detect-exit", action="store_true",
+                       help="with --trace-detect: stop training (saving with --save, exit code 0) after the window "
+                            "that raised an alert")
+    group.add_argument("--trace-detect-hook", default=None, metavar="MODULE:FUNCTION",
+                       help="with --trace-detect: call this function on rank 0 with each alert "
+                            "(megascan.online_detection.DetectionAlert)")
     group.add_argument("--inject-slowdown-rank", type=int, default=None,
                        help="(testing) make this global rank's layer compute slower, --device cpu only")
     group.add_argument("--inject-slowdown-factor", type=float, default=2.0,
@@ -63,6 +72,25 @@ def validate_trace_args(args):
         parent = os.path.dirname(os.path.abspath(trace_dir))
         _require(os.access(_existing_ancestor(parent), os.W_OK),
                  f"--trace-dir {trace_dir} cannot be created (no write access above it)")
+
+
+def validate_detect_args(args):
+    """--trace-detect and its companions (checked whether or not --trace is on: they need it)."""
+    for flag, value in (("--trace-detect-exit", args.trace_detect_exit), ("--trace-detect-hook", args.trace_detect_hook)):
+        _require(not value or args.trace_detect, f"{flag} needs --trace-detect")
+    if not args.trace_detect:
+        return
+    _require(args.trace, "--trace-detect judges the trace windows: add --trace")
+    _require(not getattr(args, "forward_backward_disaggregating", False),
+             "--trace-detect judges one torch.distributed world and a MegaFBD run is two; judge its traces "
+             "offline with tools/aggregate.py -d")
+    if args.trace_detect_hook:
+        from megascan.online_detection import load_hook
+
+        try:
+            load_hook(args.trace_detect_hook)
+        except ValueError as error:
+            raise ArgumentError(f"--trace-detect-hook {args.trace_detect_hook}: {error}") from None
 
 
 def compose_with_cuda_graphs(args):

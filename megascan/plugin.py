@@ -6,6 +6,7 @@ from megascan.arguments import (
     add_arguments,
     compose_with_cuda_graphs,
     fault_injection_requested,
+    validate_detect_args,
     validate_fault_injection_args,
     validate_trace_args,
 )
@@ -21,9 +22,10 @@ class MegaScanPlugin:
         add_arguments(parser)
 
     def is_enabled(self, args):
-        return args.trace or fault_injection_requested(args)
+        return args.trace or args.trace_detect or fault_injection_requested(args)
 
     def validate_args(self, args):
+        validate_detect_args(args)
         if args.trace:
             validate_trace_args(args)
             compose_with_cuda_graphs(args)
