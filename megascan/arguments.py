@@ -21,10 +21,24 @@ def add_arguments(parser):
     group.add_argument("--trace-granularity", choices=("base", "full"), default="full",
                        help="base: iterations, microbatches, optimizer, communication; "
                             "full: also every layer's attention and MLP")
+    group.add_argument("--trace-detect", action="store_true",
+                       help="judge each trace window while training runs: rank 0 prints 'MegaScan alert: ...' "
+                            "naming a slow or hung rank and why")
+    group.add_argument("--trace-detect-exit", action="store_true",
+                       help="with --trace-detect: stop training (saving with --save, exit code 0) after the window "
+                            "that raised an alert")
+    group.add_argument("--trace-detect-hook", default=None, metavar="MODULE:FUNCTION",
+                       help="with --trace-detect: call this function on rank 0 with each alert "
+                            "(megascan.online_detection.DetectionAlert)")
     group.add_argument("--inject-slowdown-rank", type=int, default=None,
                        help="(testing) make this global rank's layer compute slower, --device cpu only")
     group.add_argument("--inject-slowdown-factor", type=float, default=2.0,
                        help="(testing) how many times slower --inject-slowdown-rank computes")
+    group.add_argument("--inject-host-delay-rank", type=int, default=None,
+                       help="(testing) this global rank's host sleeps before each microbatch's forward, as slow "
+                            "data loading would (its GPU, if any, waits for it: a host-bound rank)")
+    group.add_argument("--inject-host-delay-ms", type=float, default=20.0,
+                       help="(testing) how long --inject-host-delay-rank sleeps before each microbatch (ms)")
     group.add_argument("--inject-hang-rank", type=int, default=None,
                        help="(testing) this global rank stops itself (SIGSTOP) in --inject-hang-iteration")
     group.add_argument("--inject-hang-iteration", type=int, default=None,
@@ -60,6 +74,25 @@ def validate_trace_args(args):
                  f"--trace-dir {trace_dir} cannot be created (no write access above it)")
 
 
+def validate_detect_args(args):
+    """--trace-detect and its companions (checked whether or not --trace is on: they need it)."""
+    for flag, value in (("--trace-detect-exit", args.trace_detect_exit), ("--trace-detect-hook", args.trace_detect_hook)):
+        _require(not value or args.trace_detect, f"{flag} needs --trace-detect")
+    if not args.trace_detect:
+        return
+    _require(args.trace, "--trace-detect judges the trace windows: add --trace")
+    _require(not getattr(args, "forward_backward_disaggregating", False),
+             "--trace-detect judges one torch.distributed world and a MegaFBD run is two; judge its traces "
+             "offline with tools/aggregate.py -d")
+    if args.trace_detect_hook:
+        from megascan.online_detection import load_hook
+
+        try:
+            load_hook(args.trace_detect_hook)
+        except ValueError as error:
+            raise ArgumentError(f"--trace-detect-hook {args.trace_detect_hook}: {error}") from None
+
+
 def compose_with_cuda_graphs(args):
     """Granularity ``full`` times each layer's halves from Python; a CUDA-graphed layer replays as one
     launch that no Python hook sees. Graphs that were only the default give way (the start-up log says
@@ -80,7 +113,8 @@ def _existing_ancestor(path):
 
 
 def fault_injection_requested(args):
-    return args.inject_slowdown_rank is not None or args.inject_hang_rank is not None
+    return any(rank is not None for rank in (args.inject_slowdown_rank, args.inject_host_delay_rank,
+                                             args.inject_hang_rank))
 
 
 def validate_fault_injection_args(args):
@@ -92,8 +126,14 @@ def validate_fault_injection_args(args):
             _require(args.device == "cpu",
                      f"{flag} acts on the host and works with --device cpu only; "
                      f"on GPUs slow one down with scripts/gpu_load.py")
+    rank = args.inject_host_delay_rank
+    if rank is not None:  # a real host delay on a GPU job too: the host is what it slows
+        _require(0 <= rank < args.world_size,
+                 f"--inject-host-delay-rank {rank} is not a rank of this job (0..{args.world_size - 1})")
     factor = args.inject_slowdown_factor
     _require(factor >= 1.0, f"--inject-slowdown-factor must be at least 1, got {factor}")
+    delay = args.inject_host_delay_ms
+    _require(delay > 0, f"--inject-host-delay-ms must be positive, got {delay}")
     if args.inject_hang_rank is not None:
         iteration = args.inject_hang_iteration
         _require(iteration is not None and 1 <= iteration <= args.train_iters,

@@ -4,6 +4,11 @@
 backward, rank R sleeps (F - 1) times what that pass took, so it looks like a slow device: its
 layers take longer than the same layers elsewhere, and it reaches every collective late.
 
+--inject-host-delay-rank R --inject-host-delay-ms X: rank R's host sleeps X ms before each
+microbatch's forward (a pre-hook on each model chunk, outside every layer), as slow data loading or
+a busy CPU would: its layers are not slower, it only reaches its first collective of each microbatch
+late. On a GPU its GPU idles meanwhile (a host-bound rank); on CPU host and device are one.
+
 --inject-hang-rank R --inject-hang-iteration I: rank R stops itself (SIGSTOP) at its first
 attention forward of iteration I, like a process frozen by a driver fault; its peers block in
 the next operation they share with it.
@@ -32,6 +37,16 @@ def slow_down(model_chunks, factor):
     stretch = _Stretch(factor)
     for _, module, _ in layer_parts(model_chunks):
         hook_phases(module, stretch, stretch)
+
+
+def delay_host(model_chunks, milliseconds):
+    seconds = milliseconds / 1000.0
+
+    def sleep_before_forward(module, args):
+        time.sleep(seconds)
+
+    for chunk in model_chunks:
+        chunk.register_forward_pre_hook(sleep_before_forward)
 
 
 class HangAtIteration:

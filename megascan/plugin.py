@@ -2,9 +2,15 @@
 
 import torch.distributed as dist
 
-from megascan.arguments import (add_arguments, compose_with_cuda_graphs, fault_injection_requested,
-                                validate_fault_injection_args, validate_trace_args)
-from megascan.fault_injection import HangAtIteration, slow_down
+from megascan.arguments import (
+    add_arguments,
+    compose_with_cuda_graphs,
+    fault_injection_requested,
+    validate_detect_args,
+    validate_fault_injection_args,
+    validate_trace_args,
+)
+from megascan.fault_injection import HangAtIteration, delay_host, slow_down
 
 
 class MegaScanPlugin:
@@ -16,9 +22,10 @@ class MegaScanPlugin:
         add_arguments(parser)
 
     def is_enabled(self, args):
-        return args.trace or fault_injection_requested(args)
+        return args.trace or args.trace_detect or fault_injection_requested(args)
 
     def validate_args(self, args):
+        validate_detect_args(args)
         if args.trace:
             validate_trace_args(args)
             compose_with_cuda_graphs(args)
@@ -28,10 +35,13 @@ class MegaScanPlugin:
     def after_setup(self, args, model, optimizer, scheduler):
         if args.inject_slowdown_rank == dist.get_rank():
             slow_down(model, args.inject_slowdown_factor)
+        if args.inject_host_delay_rank == dist.get_rank():
+            delay_host(model, args.inject_host_delay_ms)
         if args.inject_hang_rank == dist.get_rank():
             self.hang = HangAtIteration(model, args.inject_hang_iteration)
         if args.trace:
-            from megascan.session import TraceSession  # only a traced run loads the tracers
+            # only a traced run loads the tracers
+            from megascan.session import TraceSession
 
             self.session = TraceSession(args, model, optimizer)
 

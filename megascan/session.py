@@ -18,7 +18,8 @@ from megascan.nvml_probe import NvmlProbe
 from megascan.recorder import Recorder
 from megascan.timing import make_timer
 from megascan.trace_writer import TraceWriter
-from megascan.traced_world import new_run_id, of as traced_world_of
+from megascan.traced_world import new_run_id
+from megascan.traced_world import of as traced_world_of
 
 
 def is_traced(iteration, interval, continuous):
@@ -53,9 +54,26 @@ class TraceSession:
             self.switchable.append(LayerTracer(self.recorder, model_chunks))
         self.iteration_start = None
         self.saved_timers = None  # config.timers outside traced iterations
+        self.detection = None  # OnlineDetection with --trace-detect
         self.writer = self._open_writer(model_chunks)
 
     def _open_writer(self, model_chunks):
+        args = self.args
+        metadata = self._metadata(model_chunks)
+        on_gpu = args.device == "cuda"
+        device_index = metadata["device_index"]
+        if args.trace_detect:
+            # only a run that detects online loads detection
+            from megascan.online_detection import OnlineDetection
+
+            self.detection = OnlineDetection(args, metadata)
+        probe = NvmlProbe.open(f"GPU-{torch.cuda.get_device_properties(device_index).uuid}") if on_gpu else None
+        os.makedirs(args.trace_dir, exist_ok=True)
+        path = os.path.join(args.trace_dir, trace_file_name(**metadata["coords"]))
+        return TraceWriter(path, metadata, self.recorder, probe, device_index,
+                           self.detection.summarize if self.detection else None)
+
+    def _metadata(self, model_chunks):
         args = self.args
         world = self.world
         coords = {"dp": parallel_state.get_data_parallel_rank(),
@@ -63,7 +81,7 @@ class TraceSession:
                   "tp": parallel_state.get_tensor_model_parallel_rank() + world.tensor_offset}
         on_gpu = args.device == "cuda"
         device_index = torch.cuda.current_device() if on_gpu else None
-        metadata = {
+        return {
             "type": "metadata", "format": "megascan", "version": 1, "run_id": world.run_id or _shared_run_id(),
             "rank": dist.get_rank() + world.rank_offset, "world_size": world.world_size, "coords": coords,
             # "training", or which kind of instance of a disaggregated run (MegaFBD: "backward", "forward")
@@ -80,10 +98,6 @@ class TraceSession:
             "timer": self.recorder.timer.source, "granularity": args.trace_granularity,
             "trace_interval": self.interval, "continuous_trace_iterations": self.continuous,
             "train_iters": args.train_iters}
-        probe = NvmlProbe.open(f"GPU-{torch.cuda.get_device_properties(device_index).uuid}") if on_gpu else None
-        os.makedirs(args.trace_dir, exist_ok=True)
-        path = os.path.join(args.trace_dir, trace_file_name(**coords))
-        return TraceWriter(path, metadata, self.recorder, probe, device_index)
 
     def transfer_reporter(self, group, ranks, role):
         """An observer for a transport that bypasses torch.distributed (reported_transfers.py)."""
@@ -120,7 +134,17 @@ class TraceSession:
         for tracer in self.switchable:
             tracer.uninstall()
         if iteration == self.recorder.window.iterations[-1]:
-            self.writer.submit(self.recorder.close_window(), complete=True)
+            window = self.recorder.close_window()
+            self.writer.submit(window, complete=True)
+            if self.detection is not None:
+                self._judge_window(window.index, iteration)
+
+    def _judge_window(self, window, iteration):
+        alert = self.detection.evaluate(window)
+        if alert is not None:  # every rank has the verdict: all stop after this iteration
+            if dist.get_rank() == 0:
+                print(f"MegaScan: stopping training after iteration {iteration} (--trace-detect-exit)", flush=True)
+            self.args.train_iters = iteration  # the loop ends here and saves a checkpoint when --save is set
 
     def finish(self):
         if self.recorder.window is not None:

@@ -24,7 +24,7 @@ ROWS_PER_TURN = 64
 _EVENT_ROW = ('{"name":%s,"cat":"compute","iteration":%s,"microbatch":%s,"chunk":%s,"layer":%s,'
               '"start_us":%.1f,"end_us":%.1f}')
 _OP_ROW = ('{"op":%s,"kind":%s,"group":%s,"seq":%s,"peer":%s,"bytes":%s,"dtype":%s,"iteration":%s,'
-           '"microbatch":%s,"chunk":%s,"phase":%s,"start_us":%.1f,"end_us":%s}')
+           '"microbatch":%s,"chunk":%s,"phase":%s,"start_us":%.1f,"end_us":%s,"host_us":%.1f}')
 _STRINGS = {None: "null"}  # JSON of the few names, groups, dtypes and phases a trace holds
 
 
@@ -54,11 +54,13 @@ def _joined(rows):
 
 
 class TraceWriter:
-    def __init__(self, path, metadata, recorder, nvml_probe=None, device_index=None):
-        self.file = open(path, "x")  # exclusive: never write into a file this run did not create
+    def __init__(self, path, metadata, recorder, nvml_probe=None, device_index=None, on_window=None):
+        # exclusive: never write into a file this run did not create; open for the whole run, closed by close()
+        self.file = open(path, "x")  # noqa: SIM115
         self.recorder = recorder
         self.nvml_probe = nvml_probe
         self.device_index = device_index
+        self.on_window = on_window  # called with (window, its time conversion) after each complete window
         self.queue = queue.Queue()
         self.last_line_at = time.monotonic()
         self.issued_reported = (None, 0)  # (window index, ops of it already written as issued)
@@ -116,14 +118,16 @@ class TraceWriter:
         ops = _joined(
             _OP_ROW % (_text(r.op), _text(r.kind), _text(r.group), r.seq, _integer(r.peer), r.bytes, _text(r.dtype),
                        _integer(r.iteration), _integer(r.microbatch), _integer(r.chunk), _text(r.phase),
-                       to_us(r.start), "null" if r.end is None else "%.1f" % to_us(r.end))
-            for r in window.ops)
+                       start, "null" if r.end is None else f"{to_us(r.end):.1f}", min(r.host_us, start))
+            for r in window.ops for start in (to_us(r.start),))
         head = json.dumps({
             "type": "window", "window": window.index, "iterations": window.traced, "complete": complete,
             "clock": {"source": self.recorder.timer.source, "anchor_uncertainty_us": round(clock.uncertainty_us, 2)},
             "groups": window.groups, "nvml": self.nvml_probe.read() if self.nvml_probe else None},
             separators=(",", ":"))
         self._write_text(f'{head[:-1]},"events":[{events}],"ops":[{ops}]}}\n')
+        if complete and self.on_window is not None:
+            self.on_window(window, to_us)
         clock.release()
 
     def _report_stalled_window(self):

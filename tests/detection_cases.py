@@ -1,16 +1,22 @@
 """The detection case matrix: for a layout and a seed, simulated runs (tests/simulated_traces.py) that are
 healthy, have one or two slow GPUs in every role, a slow pipeline link, or a rank hung at one of
-several operations; and the check that a report names exactly what was injected. Used by
+several operations, and the same in a host-bound job (every GPU waits for its host's launches): healthy,
+a slow host (host-bound, not a slow GPU), a slow GPU; and the check that a report names exactly what was
+injected. Used by
 tests/test_detection_scenarios.py (small layouts) and bench/detection_scale.py (256-1024 ranks).
 """
 
 import random
 
-from megascan.detection.links import MIN_LINKS_TO_COMPARE
 from simulated_traces import Scenario
+
+from megascan.detection.links import MIN_LINKS_TO_COMPARE
 
 SLOW_FACTORS = (1.2, 1.3, 1.45, 1.6)
 SLOW_LINK_FACTOR = 6.0  # a link degraded to a sixth of its bandwidth (PCIe instead of NVLink is ~10x)
+HOST_BOUND_COST = 1.3  # a host-bound job: hosts take 1.3x the GPU's time to issue its work
+SLOW_HOST_FACTOR = 5.0  # a host five times slower: in a GPU-bound job (hosts at 0.3x) it issues at 1.5x the GPU
+SLOW_GPU_IN_HOST_BOUND_JOB = 1.6  # slower than the hosts issue (1.3x): the job waits for it
 HANG_OPERATIONS = ("tp", "send", "recv", "grads", "embedding", "grad-norm", "start")
 
 
@@ -57,7 +63,8 @@ def _hang(layout, rng, which):
 
 def scenarios(dp, tp, pp, seed, microbatches=4, layers_per_stage=2, hangs=HANG_OPERATIONS):
     """(Scenario, expected) pairs for one layout and seed; expected: {"slow": set, "links": set, "hung": rank}."""
-    base = dict(dp=dp, tp=tp, pp=pp, seed=seed, microbatches=microbatches, layers_per_stage=layers_per_stage)
+    base = {"dp": dp, "tp": tp, "pp": pp, "seed": seed, "microbatches": microbatches,
+            "layers_per_stage": layers_per_stage}
     rng = random.Random(seed * 7919 + dp * 131 + tp * 17 + pp)
     layout = Scenario("layout", **base).layout
     cases = [(Scenario("healthy", **base), {})]
@@ -76,11 +83,28 @@ def scenarios(dp, tp, pp, seed, microbatches=4, layers_per_stage=2, hangs=HANG_O
             link = link[::-1]
         cases.append((Scenario(f"slow link {link[0]}->{link[1]}", slow_links={link: SLOW_LINK_FACTOR}, **base),
                       {"links": {link}}))
+    cases += _host_bound_cases(layout, roles, base)
     for number, which in enumerate(hangs):
         rank, kind, occurrence = _hang(layout, rng, which)
         iteration = 9 + number % 2  # the first or second iteration of the last window
         cases.append((Scenario(f"hang at {kind} #{occurrence}", hang=(rank, iteration, kind, occurrence),
                                hung_writes_issued=number % 3 != 2, **base), {"hung": rank}))
+    return cases
+
+
+def _host_bound_cases(layout, roles, base):
+    """A host-bound job, healthy and with a slow GPU; a slow host in a GPU-bound job, where it sets the pace:
+    the first stage (the others wait in pipeline bubbles, where a late host catches up)."""
+    first, peer = roles["first stage"], roles.get("TP peer", roles.get("DP replica"))
+    cases = [(Scenario("host-bound job", host_cost=HOST_BOUND_COST, **base), {}),
+             (Scenario(f"slow host, first stage {SLOW_HOST_FACTOR}x", host_slow={first: SLOW_HOST_FACTOR}, **base),
+              {"host_bound": {first}})]
+    if peer is not None and layout.coords(peer)["pp"] == 0:
+        cases.append((Scenario(f"slow host, {peer} {SLOW_HOST_FACTOR}x", host_slow={peer: SLOW_HOST_FACTOR}, **base),
+                      {"host_bound": {peer}}))
+    cases.append((Scenario(f"host-bound job, slow GPU {SLOW_GPU_IN_HOST_BOUND_JOB}x", host_cost=HOST_BOUND_COST,
+                           culprits={roles["last stage"]: SLOW_GPU_IN_HOST_BOUND_JOB}, **base),
+                  {"slow": {roles["last stage"]}}))
     return cases
 
 
@@ -94,6 +118,9 @@ def check(report, run, expected):
         wanted = [(expected["hung"], "hang")]
     if sorted(named) != sorted(wanted):
         problems.append(f"suspects {named}, expected {wanted}")
+    host_bound = {entry.rank for entry in report.host_bound}
+    if host_bound != expected.get("host_bound", set()):
+        problems.append(f"host-bound {sorted(host_bound)}, expected {sorted(expected.get('host_bound', ()))}")
     slow_links = {(link["src"], link["dst"]) for link in report.links if link["slow"]}
     if slow_links != expected.get("links", set()):
         problems.append(f"slow links {sorted(slow_links)}, expected {sorted(expected.get('links', ()))}")

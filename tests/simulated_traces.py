@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 
 from one_f_one_b import stage_program
 from synthetic_traces import window_groups, write_lines
-from training_simulator import Faults, Layout, WindowSimulation, compute_speeds
+from training_simulator import (
+    GPU_BOUND_HOST_COST,
+    Faults,
+    Layout,
+    WindowSimulation,
+    compute_speeds,
+)
 
 T0_US = 1_763_788_435_000_000.0  # true time of the first traced iteration's start
 TRACE_INTERVAL = 5
@@ -49,6 +55,8 @@ class Scenario:
     host_drift_ppm: float = 20.0
     gpu_ppm: float = 1.0
     anchor_error_us: float = 5.0
+    host_cost: float = GPU_BOUND_HOST_COST  # > 1: a host-bound job (training_simulator.py)
+    host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time: a host-bound rank
 
     @property
     def layout(self):
@@ -128,7 +136,7 @@ def simulate(scenario, directory):
     layout = scenario.layout
     hang = scenario.hang and (scenario.hang[0], scenario.hang[1], hang_step(layout, scenario.hang[0], *scenario.hang[2:]))
     faults = Faults(compute_speeds(layout.world_size, scenario.speed_spread, scenario.culprits, rng),
-                    dict(scenario.slow_links), hang)
+                    dict(scenario.slow_links), hang, scenario.host_cost, dict(scenario.host_slow))
     clock = HostClocks(scenario, rng)
     table, _ = layout.groups()
     lines = {rank: [_metadata(scenario, rank)] for rank in range(layout.world_size)}
@@ -183,8 +191,8 @@ def _window_line(clock, rank, window, iterations, record, table):
     events = [{"name": name, "cat": "compute", "iteration": iteration, "microbatch": microbatch,
                "chunk": None if microbatch is None else 0, "layer": layer, "start_us": local(start), "end_us": local(end)}
               for name, iteration, microbatch, layer, start, end in record.events]
-    ops = [{**{k: v for k, v in op.items() if k not in ("start", "end")}, "start_us": local(op["start"]),
-            "end_us": local(op["end"])} for op in record.ops]
+    ops = [{**{k: v for k, v in op.items() if k not in ("start", "end", "host")}, "start_us": local(op["start"]),
+            "end_us": local(op["end"]), "host_us": round(clock.wall(rank, op["host"]), 1)} for op in record.ops]
     return {"type": "window", "window": window, "iterations": list(iterations), "complete": True,
             "clock": {"source": "cuda_event", "anchor_uncertainty_us": clock.anchor_error_us},
             "groups": window_groups(table, ops), "nvml": None, "events": events, "ops": ops}
@@ -192,7 +200,7 @@ def _window_line(clock, rank, window, iterations, record, table):
 
 def _issued_lines(clock, rank, window, iteration, ops, table):
     """What a stalled rank's writer appends: its issued ops on the host's clock, in two lines (one every 5 s)."""
-    issued = [{**{k: v for k, v in op.items() if k not in ("start", "end")},
+    issued = [{**{k: v for k, v in op.items() if k not in ("start", "end", "host")},
                "host_us": round(clock.wall(rank, op["start"] - 20.0), 1)} for op in ops]
     half = len(issued) // 2
     return [{"type": "issued", "window": window, "iteration": iteration, "groups": window_groups(table, part), "ops": part}

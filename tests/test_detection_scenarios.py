@@ -3,12 +3,16 @@ is named (two at once too) and nothing else, in every role; a slow link is found
 it; a hung rank is the only hung one, with the ranks behind it listed as blocked. The same case matrix
 runs at 256-1024 ranks in bench/detection_scale.py."""
 
-import pytest
+import json
 
+import pytest
 from detection_cases import check, scenarios
+from simulated_traces import Scenario, simulate
+from synthetic_traces import write_lines
+
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
-from simulated_traces import Scenario, simulate
+from megascan.online_detection import judge, summarize
 
 # (DP, TP, PP, seed): 8 to 64 ranks, pipelines of 2 to 8 stages (one without a peer in its stage: measured by
 # its compute ratio against the same layers on other stages); the seed also picks the culprits' places.
@@ -55,3 +59,34 @@ def test_blocked_ranks_behind_a_hang_are_not_hung(tmp_path):
                    and entry["waits_for"] != [5]]
     assert both_issued  # waiting in an exchange whose other side is itself blocked: the case that was misnamed
     assert "Blocked (not hung" in report.to_text()
+
+
+def test_host_bound_rank_is_listed_apart_with_its_launch_waits(tmp_path):
+    """A host five times slower (its GPU idles between launches, its layers look 1.5x longer) is host-bound,
+    not a slow GPU: no suspect, and its evidence says how long its GPU waited for launches against its peers."""
+    scenario = Scenario("slow host", dp=2, tp=2, pp=2, seed=0, host_slow={1: 5.0})
+    report = detect(load_and_merge(simulate(scenario, tmp_path).directory))
+    assert report.suspects == [] and [entry.rank for entry in report.host_bound] == [1], report.to_text()
+    evidence = report.host_bound[0].evidence[0]
+    waited, peers = (float(evidence.split(part)[1].split("%")[0]) for part in ("launches ", "(its peers: "))
+    assert waited > 30 > peers, evidence
+    text = report.to_text()
+    assert text.startswith("MegaScan detection: no suspect") and "Host-bound (not a slow GPU" in text
+
+
+@pytest.mark.parametrize("faults", [{"culprits": {6: 1.3}}, {"host_slow": {2: 5.0}}], ids=["slow GPU", "slow host"])
+def test_online_judgment_of_a_window_is_the_offline_detection_of_it(tmp_path, faults):
+    """--trace-detect judges each window from the ranks' summaries (ops, iteration events, compute totals; no
+    layer events) with the offline code: the same verdict as tools/aggregate.py -d on that window alone."""
+    run = simulate(Scenario("online", dp=2, tp=2, pp=2, seed=1, **faults), tmp_path / "trace")
+    lines = {path.name: [json.loads(text) for text in path.read_text().splitlines()]
+             for path in (tmp_path / "trace").glob("benchmark-data-*.json")}
+    summaries = [summarize(rank_lines[0], rank_lines[1]) for rank_lines in lines.values()]
+    (tmp_path / "window0").mkdir()
+    for name, rank_lines in lines.items():  # the same window as trace files
+        write_lines(tmp_path / "window0" / name, rank_lines[:2])
+    online, offline = judge(summaries), detect(load_and_merge(tmp_path / "window0"))
+    verdict = [(s.rank, s.kind, round(s.score, 6)) for s in offline.suspects + offline.host_bound]
+    assert verdict and [(s.rank, s.kind, round(s.score, 6)) for s in online.suspects + online.host_bound] == verdict
+    assert set(run.scenario.culprits or run.scenario.host_slow) == {verdict[0][0]}
+

@@ -23,8 +23,8 @@ CASES = {
         "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
     "uneven pipeline split that leaves an uneven rest": (
         MOCK + ["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "3"], {"WORLD_SIZE": "3"},
-        "--num-layers 4 minus --decoder-first-pipeline-num-layers leaves 1 layers, which do not split evenly over "
-        "the other 2 pipeline stage(s)"),
+        ("--num-layers 4 minus --decoder-first-pipeline-num-layers leaves 1 layers, which do not split evenly over "
+         "the other 2 pipeline stage(s)")),
     "data parallelism does not divide the global batch": (
         MOCK + ["--global-batch-size", "6"], {"WORLD_SIZE": "4"},
         "--global-batch-size 6 is not divisible by --micro-batch-size 2 x data-parallel size 4"),
@@ -67,6 +67,10 @@ CASES = {
         "/nonexistent/vocab.json"),
     "warm-up longer than the decay": (
         MOCK + ["--lr-warmup-iters", "5"], {}, "the warm-up (5 iterations) must end before the decay does"),
+    "online detection without tracing": (MOCK + ["--trace-detect"], {}, "--trace-detect judges the trace windows: add --trace"),
+    "online detection hook that cannot be imported": (
+        MOCK + ["--trace", "--trace-interval", "3", "--trace-detect", "--trace-detect-hook", "no_such_module:alert"], {},
+        "--trace-detect-hook no_such_module:alert: No module named 'no_such_module'"),
     "transformer engine not installed": (
         MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),
 }
@@ -102,9 +106,9 @@ def test_corrupt_checkpoint_tracker_is_named_with_the_iterations_to_load_instead
     assert result.returncode == 2
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     assert result.stderr.strip().splitlines() == [
-        f"pretrain_gpt.py: error: --load: {tracker} should hold an iteration number but holds {shown}; "
-        f"iterations saved there: 10, 20; write one of them into {tracker} to resume from it, or remove "
-        f"--load to train from scratch"]
+        (f"pretrain_gpt.py: error: --load: {tracker} should hold an iteration number but holds {shown}; "
+         f"iterations saved there: 10, 20; write one of them into {tracker} to resume from it, or remove "
+         f"--load to train from scratch")]
 
 
 def test_split_without_documents_is_named(gpt_data):

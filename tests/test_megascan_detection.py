@@ -1,5 +1,6 @@
-"""MegaScan end to end on CPU: traced runs with one rank slowed (or stopped) by the fault-injection
-flags, aggregated and analysed: the report names exactly that rank first, and nobody in a healthy run."""
+"""MegaScan end to end on CPU: traced runs with one rank slowed (or stopped, or its host delayed) by the
+fault-injection flags, aggregated and analysed: the report names exactly that rank first, and nobody in a
+healthy run; with --trace-detect the same verdict comes as an alert during the run, which can stop it."""
 
 import json
 import subprocess
@@ -7,12 +8,20 @@ import sys
 import time
 
 import pytest
+from launch import (
+    REPO,
+    TINY_GPT,
+    child_env,
+    gpt_data_args,
+    kill_process_tree,
+    running_with_argument,
+    torchrun_command,
+)
+from megascan_runs import LAYOUTS, read_trace_file, traced_run
 
-from launch import (REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, running_with_argument,
-                    torchrun_command)
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
-from megascan_runs import LAYOUTS, traced_run
+from megascan.online_detection import ALERT_PREFIX
 
 SLOW = {  # name: (layout, slowed rank): a TP peer, a DP replica, a pipeline stage
     "tp peer": ("TP2xPP2", 1),
@@ -21,25 +30,67 @@ SLOW = {  # name: (layout, slowed rank): a TP peer, a DP replica, a pipeline sta
 }
 
 
+def _alerts(output):
+    return [line for line in output.splitlines() if line.startswith(ALERT_PREFIX)]
+
+
 @pytest.mark.parametrize("name", SLOW)
 def test_slowed_rank_is_named_first_and_alone(gpt_data, tmp_path, name):
+    """Offline, and online: the alert of the first trace window (iterations 2-3) already names it."""
     layout, rank = SLOW[name]
-    traced_run(gpt_data, tmp_path, layout, extra=["--inject-slowdown-rank", str(rank),
-                                                  "--inject-slowdown-factor", "4"])
+    result = traced_run(gpt_data, tmp_path, layout, extra=["--inject-slowdown-rank", str(rank),
+                                                           "--inject-slowdown-factor", "4", "--trace-detect"])
     report = detect(load_and_merge(tmp_path))
     assert [s.rank for s in report.suspects] == [rank], report.to_text()
     assert report.suspects[0].kind == "slow_rank"
+    alerts = _alerts(result.stdout)
+    assert alerts and alerts[0].startswith(f"{ALERT_PREFIX} window 0 (iterations 2-3): rank {rank} ("), alerts
+
+
+def test_detection_exit_stops_the_job_after_the_alerting_window(gpt_data, tmp_path):
+    """--trace-detect-exit: every rank stops after the window that raised the alert (iteration 3 of 9), exit
+    code 0, the checkpoint saved; the hook got the alert on rank 0."""
+    alerts_file = tmp_path / "alerts.jsonl"
+    result = traced_run(gpt_data, tmp_path / "trace", "TP2xPP2", iterations=9, check=False,
+                        extra=["--inject-slowdown-rank", "1", "--inject-slowdown-factor", "4", "--trace-detect",
+                               "--trace-detect-exit", "--trace-detect-hook", "alert_hook:record",
+                               "--save", str(tmp_path / "ckpt"), "--save-interval", "100"],
+                        env={"PYTHONPATH": str(REPO / "tests/plugins"), "MEGASCAN_ALERT_FILE": str(alerts_file)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "MegaScan: stopping training after iteration 3 (--trace-detect-exit)" in result.stdout
+    assert (tmp_path / "ckpt/latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    hooked = [json.loads(line) for line in alerts_file.read_text().splitlines()]
+    assert [(alert["window"], alert["suspects"][0]) for alert in hooked] == [(0, 1)]
+    assert hooked[0]["line"] in result.stdout
+    windows = [line["window"] for line in read_trace_file(tmp_path / "trace/benchmark-data-0-pipeline-0-tensor-1.json")
+               if line["type"] == "window"]
+    assert windows == [0]
+
+
+def test_host_delayed_rank_is_host_bound_not_a_slow_rank(gpt_data, tmp_path):
+    """Rank 1's host sleeps before each microbatch (as slow data loading would): its layers are as fast as
+    its peers', so it is no slow rank; on CPU host and device share one clock, so what shows is own work
+    outside the traced layers: host-bound."""
+    traced_run(gpt_data, tmp_path, "TP2xPP2", extra=["--inject-host-delay-rank", "1",
+                                                      "--inject-host-delay-ms", "60"])
+    report = detect(load_and_merge(tmp_path))
+    assert report.suspects == [], report.to_text()
+    assert [entry.rank for entry in report.host_bound] == [1], report.to_text()
+    assert "outside the model's layers" in report.host_bound[0].evidence[0]
+    assert "Host-bound (not a slow GPU" in report.to_text()
 
 
 def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
-    traced_run(gpt_data, tmp_path / "trace", "DP2xTP2xPP2")
+    result = traced_run(gpt_data, tmp_path / "trace", "DP2xTP2xPP2", extra=["--trace-detect"])
+    assert _alerts(result.stdout) == []
     merged = load_and_merge(tmp_path / "trace")
     assert len(merged.ranks) == 8 and not merged.unaligned
     assert all(not i.missing and len(i.records) == len(i.participants) for i in merged.instances)
     assert {i.kind for i in merged.instances} == {"collective", "p2p"}
     assert detect(merged).suspects == []
     result = subprocess.run([sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(tmp_path / "trace"),
-                             "-o", str(tmp_path / "merged.json"), "-d"], capture_output=True, text=True, cwd=REPO)
+                             "-o", str(tmp_path / "merged.json"), "-d"], capture_output=True, text=True, cwd=REPO,
+                            check=False)
     assert result.returncode == 0 and "no suspect" in result.stdout, result.stdout + result.stderr
     chrome = json.loads((tmp_path / "merged.json").read_text())
     events = chrome["traceEvents"] if isinstance(chrome, dict) else chrome

@@ -5,6 +5,12 @@ TP peers wait inside all-reduces, its pipeline neighbours wait in exchanges and 
 in the gradient all-reduce; a slow link stretches the transfers over it; a hung rank stops and the
 others block wherever they first need it.
 
+Each rank has a host beside its GPU: the host issues the work (taking ``host_cost`` of the GPU's nominal
+time for it), the GPU runs it once issued, never before. A GPU-bound job's hosts run ahead (the default);
+in a host-bound job, or on a rank whose host is slow (``host_slow``: data loading, a busy CPU), the GPU
+idles between launches: its work arrives late although its kernels are not longer. Every op record keeps
+the host's issue time (``host``) beside the GPU's arrival (``start``), as real traces do.
+
 ``simulate_window`` returns what each rank recorded (events and ops in global microseconds) and, for
 ranks that never finished, where they stopped.
 """
@@ -22,6 +28,8 @@ FINISH_JITTER_US = 0.5  # members of one collective see it finish this far apart
 P2P_LATENCY_US = 10.0
 P2P_BYTES_PER_US = 40_000.0  # 40 GB/s between stages
 ITERATION_GAP_US = 200.0  # host work between two iterations
+LAUNCH_US = 5.0  # from the host issuing work to an idle GPU starting it
+GPU_BOUND_HOST_COST = 0.3  # a host issues a layer half's kernels in this share of the GPU's time for them
 
 
 @dataclass
@@ -42,6 +50,8 @@ class Faults:
     speed: dict  # rank -> time factor of its compute (1.0 nominal; a slow GPU 1.2-1.6)
     slow_links: dict = field(default_factory=dict)  # (src, dst) -> time factor of its transfers
     hang: tuple = None  # (rank, iteration, step index in that iteration's program): it stops before that step
+    host_cost: float = GPU_BOUND_HOST_COST  # host time to issue work, per unit of its nominal GPU time (> 1: host-bound)
+    host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time (a slow host, not a slow GPU)
 
 
 @dataclass
@@ -61,10 +71,11 @@ class _Pending:
 
 
 class _RankState:
-    __slots__ = ("rank", "steps", "pc", "time", "iteration", "open", "waiting", "exchange_end")
+    __slots__ = ("exchange_end", "host", "iteration", "open", "pc", "rank", "steps", "time", "waiting")
 
     def __init__(self, rank, steps, start):
         self.rank, self.steps, self.pc, self.time, self.iteration = rank, steps, 0, start, None
+        self.host = start  # when the host has issued everything so far (``time`` is the GPU's)
         self.open = {}  # enclosing event name -> its start
         self.waiting = 0  # transfers of the current exchange not yet complete ...
         self.exchange_end = 0.0  # ... and when the completed ones ended
@@ -107,13 +118,18 @@ class WindowSimulation:
         woken = []
         events = self.records[state.rank].events
         speed = self.faults.speed.get(state.rank, 1.0)
+        host_cost = self.faults.host_cost * self.faults.host_slow.get(state.rank, 1.0) * LAYER_HALF_US
         while state.pc < len(state.steps):
             step = state.steps[state.pc]
             kind = step[0]
             if kind == "compute":
-                end = state.time + step[4] * speed * (1.0 + self.rng.gauss(0.0, COMPUTE_JITTER)) * LAYER_HALF_US
+                start = self._launched(state)
+                state.host += step[4] * host_cost
+                # The kernels run as they are issued: the GPU's own time, or the host's issuing, whichever is longer.
+                end = max(start + step[4] * speed * (1.0 + self.rng.gauss(0.0, COMPUTE_JITTER)) * LAYER_HALF_US,
+                          state.host + LAUNCH_US)
                 if step[1] is not None:
-                    events.append((step[1], state.iteration, step[2], step[3], state.time, end))
+                    events.append((step[1], state.iteration, step[2], step[3], start, end))
                 state.time = end
             elif kind == "iteration":
                 state.iteration = step[1]
@@ -122,12 +138,20 @@ class WindowSimulation:
                 state.open[step[1]] = state.time
             elif kind == "end":
                 events.append((step[1], state.iteration, step[2], None, state.open.pop(step[1]), state.time))
+                if step[1] == "iteration":  # the host waits for its GPU once an iteration (the loss, the grad norm)
+                    state.host = max(state.host, state.time)
             elif kind == "stop":
                 return woken
             elif not (self._collective if kind == "collective" else self._exchange)(state, step, woken):
                 return woken  # blocked: whoever completes the operation wakes it
             state.pc += 1
         return woken
+
+    @staticmethod
+    def _launched(state):
+        """The GPU reaches the next work once it is done with the last and the host has issued it."""
+        state.time = max(state.time, state.host + LAUNCH_US)
+        return state.time
 
     def issue_ahead(self, rank, count):
         """Records of the next ``count`` operations after the one ``rank`` is blocked in, issued by its host
@@ -154,12 +178,14 @@ class WindowSimulation:
     def _record(self, state, key, op, kind, group, peer, nbytes, phase, microbatch):
         record = {"op": op, "kind": kind, "group": group, "seq": key[-1], "peer": peer, "bytes": nbytes,
                   "dtype": "bfloat16", "iteration": state.iteration, "microbatch": microbatch,
-                  "chunk": None if microbatch is None else 0, "phase": phase, "start": state.time, "end": None}
+                  "chunk": None if microbatch is None else 0, "phase": phase, "start": state.time, "end": None,
+                  "host": min(state.host, state.time)}
         self.records[state.rank].ops.append(record)
         return record
 
     def _arrive(self, state, key, op, kind, group, peer, nbytes, phase, microbatch):
         """This rank's record of an operation, issued now; returns the operation's pending arrivals."""
+        self._launched(state)
         record = self._record(state, key, op, kind, group, peer, nbytes, phase, microbatch)
         pending = self.pending.setdefault(key, _Pending())
         pending.arrivals[state.rank] = state.time
@@ -186,7 +212,7 @@ class WindowSimulation:
 
     def _exchange(self, state, step, woken):
         """Posts an exchange's transfers; True if all of them completed now."""
-        state.waiting, state.exchange_end = len(step[1]), state.time
+        state.waiting, state.exchange_end = len(step[1]), self._launched(state)
         for kind, peer, key, phase in self._transfers(state, step):
             pending = self._arrive(state, key, kind, kind, self.group_of[state.rank]["pp"], peer, ACTIVATION_BYTES,
                                    phase, step[2])

@@ -46,7 +46,8 @@ class OpInstance:
     op: str  # process-group method, e.g. "allreduce" (p2p: the send's, else the recv's)
     seq: int
     participants: list  # global ranks expected: the group's ranks, or [src, dst]
-    records: dict  # rank -> op record + "start"/"end" (global us; "end" None if unknown, "issued_only")
+    records: dict  # rank -> op record + "start"/"end"/"host" (global us; "end" None if unknown, "issued_only";
+    # "host": when its host issued it, None where unknown)
     missing: list  # merged ranks expected here that never recorded it
     src: object = None  # p2p only
     dst: object = None  # p2p only
@@ -89,6 +90,10 @@ def _add_global_times(rank_file, clock):
         for item, start, end in zip(timed, _global(clock, [i["start_us"] for i in timed], window),
                                     _global(clock, [i["end_us"] for i in timed], window)):
             item["start"], item["end"] = start, end
+        # When the host issued each op (on the same host clock the window's times were placed on): None
+        # in traces that predate the field.
+        for op, host in zip(line["ops"], _global(clock, [op.get("host_us") for op in line["ops"]], window)):
+            op["host"] = host
         events += line["events"]
     for window, line in rank_file.stalled.items():
         for op, start in zip(line["ops"], _global(clock, [op["host_us"] for op in line["ops"]], window)):
@@ -139,7 +144,12 @@ def _keep_aligned(instances, aligned):
 def load_and_merge(directory):
     """Read every per-rank trace file in ``directory``, match ops, align clocks: the MergedTrace.
     Raises loading.TraceDirectoryError when the directory holds nothing usable."""
-    loaded = load_directory(directory)
+    return merge(load_directory(directory))
+
+
+def merge(loaded):
+    """The MergedTrace of a loading.TraceDirectory: read from files, or gathered from the ranks during the run
+    (online detection)."""
     files, problems = loaded.files, list(loaded.problems)
     groups = group_table(files)
     instances = [_instance(index, key, records, groups, files)

@@ -6,8 +6,9 @@ instance or transfer joins its members. Detection follows it:
     is on its peers of the same role; critical_path: each iteration's path through the graph;
 (b) delay_attribution: the excess of each segment over the same work on its peers, charged to the
     rank (or link) that did it; victims only wait, so they are charged nothing; culprits: the ranks
-    whose own work is slow and delayed others, with the evidence (compute ratio, waits caused per
-    group, share of the critical path);
+    whose own work is slow and delayed others beyond the run's own noise (noise), with the evidence
+    (compute ratio, waits caused per group, share of the critical path), and the host-bound ranks apart
+    (their GPU waited for their own host's launches: not a slow GPU);
 (c) links: bandwidth of every pipeline link;
 (d) hung_ranks: in a window that never finished, who never reached an operation the others reached
     (hung) and who is only blocked behind it;
@@ -30,20 +31,23 @@ from megascan.detection.waits import group_waits, waited_for
 __all__ = ["Report", "Suspect", "detect"]
 
 
-def detect(merged):
+def detect(merged, compute_totals=None):
+    """The Report of a MergedTrace; ``compute_totals``: each rank's compute.operation_totals where they were
+    gathered instead of the events (online detection)."""
     timelines = build_timelines(merged)
-    compute = compute_slowness(merged)
+    compute = compute_slowness(merged, compute_totals)
     attribution = attribute_delays(timelines, critical_paths(timelines),
                                    {rank: entry["ratio"] for rank, entry in compute.items()})
     groups = group_waits(timelines)
     hung, blocked = classify_hang(merged)
     suspects = hang_suspects(merged, hung)
     hung_ranks = {suspect.rank for suspect in suspects}
-    suspects += [suspect for suspect in find_culprits(merged, attribution, compute, groups,
-                                                      nvml_evidence(merged)) if suspect.rank not in hung_ranks]
+    slow, host_bound = find_culprits(merged, attribution, compute, groups, nvml_evidence(merged))
+    suspects += [suspect for suspect in slow if suspect.rank not in hung_ranks]
     alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}
     victims = find_victims(merged, waited_for(timelines), {suspect.rank for suspect in suspects}, attribution.path_us)
     links = link_stats(merged)
     for link in links:
         link["critical_path_delay_us"] = attribution.links.get((link["src"], link["dst"]), 0.0)
-    return Report(suspects, victims, links, alignment, unjudged_ranks(merged), blocked_entries(merged, blocked))
+    return Report(suspects, victims, links, alignment, unjudged_ranks(merged), blocked_entries(merged, blocked),
+                  [entry for entry in host_bound if entry.rank not in hung_ranks])

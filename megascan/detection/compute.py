@@ -20,6 +20,14 @@ LAYER_EVENTS = ("attention-forward", "attention-backward", "mlp-forward", "mlp-b
 MICROBATCH_EVENTS = ("forward", "backward")
 
 
+def _tp_waits(intervals):
+    """(starts, ends, cumulative durations) of one rank's finished TP collectives, by start; None if none."""
+    if not intervals:
+        return None
+    starts, ends = np.array(sorted(intervals), dtype=np.float64).T
+    return starts, ends, np.concatenate(([0.0], np.cumsum(ends - starts)))
+
+
 def _tp_waits_by_rank(merged):
     """rank -> (starts, ends, cumulative durations) of its finished TP collectives, by start."""
     waits = defaultdict(list)
@@ -28,11 +36,7 @@ def _tp_waits_by_rank(merged):
             for rank, record in instance.records.items():
                 if record.get("end") is not None:
                     waits[rank].append((record["start"], record["end"]))
-    result = {}
-    for rank, intervals in waits.items():
-        starts, ends = np.array(sorted(intervals), dtype=np.float64).T
-        result[rank] = (starts, ends, np.concatenate(([0.0], np.cumsum(ends - starts))))
-    return result
+    return {rank: _tp_waits(intervals) for rank, intervals in waits.items()}
 
 
 def _own_compute(starts, ends, waits):
@@ -51,48 +55,59 @@ def _own_compute(starts, ends, waits):
     return np.maximum(durations - inside, 0.0)
 
 
-def _operation_key(event, trace):
+def _operation_key(event, kind, stage):
     """What an event is compared with: the same operation on ranks of the same instance kind (MegaFBD's
     forward instances run other work, maybe on other hardware, than its backward instances)."""
-    kind = trace.metadata.get("instance_kind", "training")
     if event["name"] in LAYER_EVENTS:
         return kind, event["name"]
     if event["name"] in MICROBATCH_EVENTS:
-        return kind, event["name"], trace.coords["pp"], event.get("chunk")
+        return kind, event["name"], stage, event.get("chunk")
     return None
 
 
-def _samples(merged):
-    """(operation key, rank, own compute) of every comparable event."""
+def operation_totals(events, tp_waits, kind, stage, layers_traced):
+    """{operation key: [own compute in total (us), samples]} of one rank, from its events (dicts with "name",
+    "start", "end", "chunk") and its TP collectives' (start, end) intervals, all on one clock. With
+    ``layers_traced``, only the layers: the finer, uniform comparison. A window's totals are what online
+    detection gathers from each rank instead of its events."""
+    chosen = [(key, e) for e in events if (key := _operation_key(e, kind, stage)) is not None
+              and not (layers_traced and e["name"] in MICROBATCH_EVENTS)]
+    if not chosen:
+        return {}
+    own = _own_compute(np.array([e["start"] for _, e in chosen], dtype=np.float64),
+                       np.array([e["end"] for _, e in chosen], dtype=np.float64), _tp_waits(tp_waits))
+    totals = {}
+    for (key, _), us in zip(chosen, own.tolist()):
+        total = totals.setdefault(key, [0.0, 0])
+        total[0] += us
+        total[1] += 1
+    return totals
+
+
+def totals_by_rank(merged):
+    """rank -> operation_totals of every merged rank."""
     waits = _tp_waits_by_rank(merged)
-    has_layers = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
-    keys, ranks, own = [], [], []
-    for rank, trace in merged.ranks.items():
-        events = [(key, e) for e in trace.events if (key := _operation_key(e, trace)) is not None
-                  and not (has_layers and e["name"] in MICROBATCH_EVENTS)]  # layers: the finer, uniform comparison
-        if not events:
-            continue
-        starts = np.array([e["start"] for _, e in events], dtype=np.float64)
-        ends = np.array([e["end"] for _, e in events], dtype=np.float64)
-        own.append(_own_compute(starts, ends, waits.get(rank)))
-        keys += [key for key, _ in events]
-        ranks += [rank] * len(events)
-    return keys, np.array(ranks, dtype=np.int64), np.concatenate(own) if own else np.zeros(0)
+    layers_traced = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
+    intervals = {rank: list(zip(w[0].tolist(), w[1].tolist())) for rank, w in waits.items() if w is not None}
+    return {rank: operation_totals(trace.events, intervals.get(rank, []), trace.metadata.get("instance_kind", "training"),
+                                   trace.coords["pp"], layers_traced)
+            for rank, trace in merged.ranks.items()}
 
 
-def compute_slowness(merged):
-    """rank -> {"ratio", "others_ratio", "samples"} for ranks with operations to compare."""
-    keys, ranks, own = _samples(merged)
-    if not keys:
+def compute_slowness(merged, totals=None):
+    """rank -> {"ratio", "others_ratio", "samples"} for ranks with operations to compare; ``totals``: the
+    ranks' operation_totals where they were gathered already (online detection), else made from ``merged``."""
+    totals = totals_by_rank(merged) if totals is None else totals
+    cells = [(key, rank, total, count) for rank, per_key in totals.items() for key, (total, count) in per_key.items()]
+    if not cells:
         return {}
     numbers = {}
-    key_ids = np.array([numbers.setdefault(key, len(numbers)) for key in keys], dtype=np.int64)
+    key_ids = np.array([numbers.setdefault(key, len(numbers)) for key, _, _, _ in cells], dtype=np.int64)
+    cell_rank = np.array([rank for _, rank, _, _ in cells], dtype=np.int64)
+    counts = np.array([count for _, _, _, count in cells], dtype=np.float64)
+    means = np.array([total for _, _, total, _ in cells], dtype=np.float64) / counts
     # Per (operation, rank): the mean of its samples; the typical time is the median of the other ranks' means.
-    cells, cell_of = np.unique(key_ids * (ranks.max() + 1) + ranks, return_inverse=True)
-    counts = np.bincount(cell_of)
-    means = np.bincount(cell_of, weights=own) / counts
-    cell_rank = cells % (ranks.max() + 1)
-    typical = medians_of_others(means, cells // (ranks.max() + 1))
+    typical = medians_of_others(means, key_ids)
     comparable = ~np.isnan(typical)
     actual = np.bincount(cell_rank[comparable], weights=(means * counts)[comparable])
     expected = np.bincount(cell_rank[comparable], weights=(typical * counts)[comparable])

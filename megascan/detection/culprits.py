@@ -1,10 +1,16 @@
 """Name the slow ranks from the delay attribution, with their evidence.
 
 A rank is a culprit when its own work is slower than its peers' (the GPU is slow, not only late) and
-that excess is what others waited for (it delayed them): every rank that meets both is named, so two
-slow GPUs are both named, whichever of them set the iteration's pace. A victim's own work is as fast
-as its peers', and a healthy GPU that happens to be the slowest of its group is only a few percent
-slower, so neither passes both tests.
+that excess is what others waited for (it delayed them) beyond the run's own noise (noise.py): every
+rank that meets both is named, so two slow GPUs are both named, whichever of them set the iteration's
+pace. A victim's own work is as fast as its peers', and a healthy GPU that happens to be the slowest of
+its group is only a few percent slower, so neither passes both tests.
+
+A rank whose delay its host set is not a slow GPU: where the trace has the host's issue times, the delay
+it caused splits into its host's part (its GPU waited for launches: data loading, Python, a busy CPU)
+and its GPU's; where the host's part is the larger, the rank is listed as host-bound, apart from the
+suspects. A host-timed trace (CPU) has one clock for both; there, own work slower than the peers' while
+the rank's traced compute (its layers) is not, lies outside the model's compute: host-bound as well.
 """
 
 from megascan.detection.report import Suspect
@@ -36,12 +42,12 @@ def _waits_caused(rank, groups):
 
 def _evidence(rank, attribution, compute, delay, groups):
     path = attribution.path_us
-    lines = [f"delay it caused: its own work before the operations others waited for took "
-             f"{delay.caused_us / 1e3:.1f} ms longer than its peers of the same role take for the same work "
-             f"({100 * delay.caused_us / path:.1f}% of the {attribution.iterations} traced iterations' "
-             f"{path / 1e3:.1f} ms)",
-             f"critical path: {100 * delay.path_us / path:.0f}% of it is this rank's own work, which made the "
-             f"iterations {max(delay.charged_us, 0.0) / 1e3:.1f} ms longer than its peers' speed would have"]
+    lines = [(f"delay it caused: its own work before the operations others waited for took "
+              f"{delay.caused_us / 1e3:.1f} ms longer than its peers of the same role take for the same work "
+              f"({100 * delay.caused_us / path:.1f}% of the {attribution.iterations} traced iterations' "
+              f"{path / 1e3:.1f} ms)"),
+             (f"critical path: {100 * delay.path_us / path:.0f}% of it is this rank's own work, which made the "
+              f"iterations {max(delay.charged_us, 0.0) / 1e3:.1f} ms longer than its peers' speed would have")]
     if rank in compute:
         lines.append(f"compute: its own compute took {compute[rank]['ratio']:.2f}x what the other ranks take for "
                      f"the same operations (theirs: {compute[rank]['others_ratio']:.2f}x; "
@@ -66,26 +72,85 @@ def _masked_evidence(delay, named, attribution):
             f"the job back once they are fixed")
 
 
+def _split_evidence(delay):
+    return (f"host or GPU: of the {delay.caused_us / 1e3:.1f} ms others waited for it, "
+            f"{delay.caused_host_us / 1e3:.1f} ms came from its host issuing later than its peers' and "
+            f"{delay.caused_device_us / 1e3:.1f} ms from its GPU running longer; its GPU waited for launches "
+            f"{100 * delay.launch_wait_share:.0f}% of its own work between synchronisations (its peers: "
+            f"{100 * delay.launch_wait_share_of_peers:.0f}%)")
+
+
+def _host_bound_evidence(rank, compute, delay):
+    if delay.split_known:
+        return (f"host-bound: its GPU waited for its own host's launches {100 * delay.launch_wait_share:.0f}% of "
+                f"its own work between synchronisations (its peers: {100 * delay.launch_wait_share_of_peers:.0f}%); "
+                f"of the delay it caused, {delay.caused_host_us / 1e3:.1f} ms was its host's and "
+                f"{delay.caused_device_us / 1e3:.1f} ms its GPU's: not a slow GPU")
+    return (f"host-bound: its own work between synchronisations took {delay.own_ratio:.2f}x its peers' while its "
+            f"traced compute took {compute[rank]['ratio']:.2f}x: the excess lies outside the model's layers "
+            f"(data loading, host work between layers); on a host-timed trace host and device share one clock")
+
+
+def _classify(rank, delay, compute, threshold, floor_us):
+    """"slow_rank", "host_bound" or None for a rank whose caused delay is beyond the noise (``floor_us``).
+    With the host's issue times, the part named must itself be beyond the noise: a rank of a host-bound job
+    whose peers' hosts ran ahead while they waited is late against them, by neither its host nor its GPU."""
+    slow_work = _slowness(rank, compute, delay) >= threshold
+    slow_outside_compute = rank in compute and delay.own_ratio >= threshold
+    if delay.split_known:
+        if delay.host_side and delay.caused_host_us >= floor_us and (slow_work or slow_outside_compute):
+            return "host_bound"
+        return "slow_rank" if slow_work and delay.caused_device_us >= floor_us else None
+    if slow_work and _launch_wait_explains(delay, _slowness(rank, compute, delay)):
+        return "host_bound"
+    if slow_work:
+        return "slow_rank"
+    return "host_bound" if slow_outside_compute else None
+
+
+def _launch_wait_explains(delay, slowness):
+    """For a rank without peers to split against (alone in its stage), measured by its compute ratio: whether
+    its GPU waited for launches long enough to explain all its excess (1 - 1/ratio of its own work)."""
+    return delay.launch_wait_share >= 1.0 - 1.0 / slowness  # False where unknown (nan)
+
+
 def find_culprits(merged, attribution, compute, groups, nvml):
-    """Suspect (kind "slow_rank") per culprit, the most delay first: first the ranks whose excess others waited
-    for, then slow ranks whose excess only a slower culprit hid (it waited for that one)."""
+    """(suspects, host-bound ranks): Suspect (kind "slow_rank") per culprit, the most delay first: first the
+    ranks whose excess others waited for, then slow ranks whose excess only a slower culprit hid (it waited
+    for that one); Suspect (kind "host_bound") per rank whose host set the pace of the delay it caused."""
     path = attribution.path_us
     if path <= 0:
-        return []
+        return [], []
+    threshold = {rank: SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]) for rank, trace in merged.ranks.items()}
     slow = {rank: delay for rank, delay in attribution.ranks.items()
-            if _slowness(rank, compute, delay) >= SLOW_RATIO.get(merged.ranks[rank].timer, SLOW_RATIO["cuda_event"])}
-    named = {rank for rank, delay in slow.items() if delay.caused_us >= MIN_CAUSED_SHARE * path}
+            if _slowness(rank, compute, delay) >= threshold[rank] and not delay.host_side}
+    floors = {rank: max(MIN_CAUSED_SHARE * path, attribution.noise.floor_us(attribution.iterations, delay.caused_records))
+              for rank, delay in attribution.ranks.items()}
+    kinds = {rank: kind for rank, delay in attribution.ranks.items() if delay.caused_us >= floors[rank]
+             and (kind := _classify(rank, delay, compute, threshold[rank], floors[rank]))}
+    named = {rank for rank, kind in kinds.items() if kind == "slow_rank"}
     masked = {rank for rank, delay in slow.items() if rank not in named
               and sum(us for other, us in delay.masked_us.items() if other in named) >= MIN_CAUSED_SHARE * path}
-    suspects = []
+    suspects, host_bound = [], []
     for rank in named | masked:
-        trace, delay = merged.ranks[rank], slow[rank]
+        trace, delay = merged.ranks[rank], attribution.ranks[rank]
         evidence = _evidence(rank, attribution, compute, delay, groups)
         if rank in masked:
             evidence.insert(1, _masked_evidence(delay, named, attribution))
+        if delay.split_known:
+            evidence.insert(1, _split_evidence(delay))
         score = max(delay.caused_us, sum(us for other, us in delay.masked_us.items() if other in named)) / path
         suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank", score,
                                 evidence + nvml.get(rank, [])))
+    for rank in (rank for rank, kind in kinds.items() if kind == "host_bound"):
+        trace, delay = merged.ranks[rank], attribution.ranks[rank]
+        evidence = [_host_bound_evidence(rank, compute, delay)] + _evidence(rank, attribution, compute, delay, groups)
+        host_bound.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "host_bound",
+                                  delay.caused_us / path, evidence))
+    return _by_score(suspects), _by_score(host_bound)
+
+
+def _by_score(suspects):
     return sorted(suspects, key=lambda suspect: -suspect.score)
 
 

@@ -9,6 +9,11 @@ charged to the link (a slow link shows there, and no rank is charged for it).
 
 The iteration's length is then the path's expected length plus every charge: the charges say how much
 longer each culprit made the iteration.
+
+Where the trace has the host's issue times beside the GPU's (CUDA events), each record's own work splits
+into the time its GPU waited for its host to issue the op (RankTimelines.host_wait) and the rest, the
+GPU's; each part is measured against the same part on the peers, so the delay a rank caused splits into
+what its host added and what its GPU added. The run's own noise (noise.py) says which delays are real.
 """
 
 from collections import defaultdict
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascan.detection.noise import RunNoise, estimate_noise
 from megascan.detection.rank_timelines import NO_RECORD
 from megascan.detection.robust import medians_of_others
 
@@ -32,10 +38,26 @@ class RankDelay:
     own_us: float = 0.0  # all its own work that has peers to compare with ...
     peers_us: float = 0.0  # ... and what its peers take for the same work
     stage_peers: bool = True  # False: no rank shares its stage; its work was measured by its compute ratio
+    caused_records: int = 0  # the operations at which others waited for it
+    # caused_us split by who set the pace: its host (the GPU waited for launches) or its GPU; nan where the
+    # trace has no host issue times (host-timed: host and device are one clock)
+    caused_host_us: float = float("nan")
+    caused_device_us: float = float("nan")
+    launch_wait_share: float = float("nan")  # share of its own work in which its GPU waited for its host's launches
+    launch_wait_share_of_peers: float = float("nan")  # the same share on the other ranks of its stage (median)
 
     @property
     def own_ratio(self):
         return self.own_us / self.peers_us if self.peers_us > 0 else float("nan")
+
+    @property
+    def split_known(self):
+        return not np.isnan(self.caused_host_us)
+
+    @property
+    def host_side(self):
+        """Whether its host, not its GPU, set the pace of the delay it caused."""
+        return self.split_known and self.caused_host_us > self.caused_device_us
 
 
 @dataclass
@@ -44,6 +66,7 @@ class DelayAttribution:
     iterations: int
     ranks: dict  # rank -> RankDelay
     links: dict = field(default_factory=dict)  # (src, dst) -> excess of its transfers on the critical paths (us)
+    noise: RunNoise = field(default_factory=RunNoise)
 
 
 def _transfer_times(timelines, awaited):
@@ -83,23 +106,67 @@ def attribute_delays(timelines, paths, compute_ratios):
     transfer = _transfer_times(timelines, awaited)
     expected_transfer = medians_of_others(transfer, timelines.role_key)
     charged_links = defaultdict(float)
+    expected_lengths = []  # each iteration's length less what was charged for it: what the run took unslowed
     for path in paths:
+        charged = 0.0
         for record in path.work:
             delay = ranks[int(timelines.rank[record])]
             delay.path_us += timelines.gap[record]
             if comparable[record]:
                 delay.charged_us += timelines.gap[record] - expected_gap[record]
+                charged += timelines.gap[record] - expected_gap[record]
         for finishing, _ in path.transfers:
             instance = timelines.instances[timelines.instance[finishing]]
             excess = transfer[finishing] - expected_transfer[finishing]
             if instance.kind == "p2p" and not np.isnan(excess):
                 charged_links[instance.src, instance.dst] += float(excess)
+                charged += float(excess)
+        expected_lengths.append(path.length_us - charged)
     # Off the iteration's path too, the work before an operation that others waited for delayed them: a
     # slow GPU in the DP replica that was not the slowest still held its own replica back.
     waited_for = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
     waited_for = waited_for[comparable[waited_for]]
     caused = np.bincount(timelines.rank[waited_for], weights=timelines.gap[waited_for] - expected_gap[waited_for])
+    records = np.bincount(timelines.rank[waited_for])
     for rank, delay in ranks.items():
         delay.caused_us = float(caused[rank]) if rank < len(caused) else 0.0
+        delay.caused_records = int(records[rank]) if rank < len(records) else 0
+    _split_host_and_device(timelines, waited_for, ranks)
     _add_masked(timelines, awaited, comparable, timelines.gap - expected_gap, ranks)
-    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links))
+    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links),
+                            estimate_noise(timelines, expected_gap, expected_lengths))
+
+
+def _split_host_and_device(timelines, waited_for, ranks):
+    """RankDelay.caused_host_us / caused_device_us and the launch-wait shares, where host issue times are known.
+
+    The host's part of an excess is its issue interval's excess (a host that issued later than its peers'),
+    the GPU's part its device work's excess. A rank whose host ran ahead while it waited (a victim) has short
+    own work on the GPU, so a peer that did not is not charged for that: its host interval is as its peers'."""
+    interval, device = timelines.host_interval(), timelines.device_work()
+    known = ~np.isnan(interval)
+    if not known.any():
+        return
+    expected_interval, expected_device = np.full(len(known), np.nan), np.full(len(known), np.nan)
+    expected_interval[known] = medians_of_others(interval[known], timelines.role_key[known])
+    expected_device[known] = medians_of_others(device[known], timelines.role_key[known])
+    caused = waited_for[~np.isnan(expected_interval[waited_for])]
+    span = int(timelines.rank.max()) + 1
+    host_excess = np.bincount(timelines.rank[caused], weights=interval[caused] - expected_interval[caused],
+                              minlength=span)
+    device_excess = np.bincount(timelines.rank[caused], weights=device[caused] - expected_device[caused],
+                                minlength=span)
+    wait = timelines.host_wait()
+    timed = ~np.isnan(wait)
+    waited = np.bincount(timelines.rank[timed], weights=wait[timed], minlength=span)
+    own = np.bincount(timelines.rank[timed], weights=timelines.gap[timed], minlength=span)
+    stage = np.zeros(span, dtype=np.int64)
+    stage[timelines.rank] = timelines.stage
+    with_host = [rank for rank in ranks if own[rank] > 0]
+    shares = np.array([waited[rank] / own[rank] for rank in with_host])
+    split = np.bincount(timelines.rank[caused], minlength=span)  # caused records with peers to split against
+    for rank, share, others in zip(with_host, shares, medians_of_others(shares, stage[with_host])):
+        delay = ranks[rank]
+        if split[rank]:
+            delay.caused_host_us, delay.caused_device_us = float(host_excess[rank]), float(device_excess[rank])
+        delay.launch_wait_share, delay.launch_wait_share_of_peers = float(share), float(others)

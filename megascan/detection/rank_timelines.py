@@ -9,7 +9,12 @@ them): nobody else could make that time shorter or longer. Every record therefor
 - ``role key``: what the same work is called on the rank's peers of the same role. Ranks of one
   pipeline stage (its TP peers and DP replicas) run the same program, so the n-th all-reduce on a
   TP group in iteration i, or the n-th send to the next stage, is the same point on all of them
-  whatever the group ids. The key is (stage, iteration, role, kind, peer offset, n).
+  whatever the group ids. The key is (stage, iteration, role, kind, peer offset, n);
+- ``host``: when the rank's host issued it, where the trace times the device apart from the host
+  (CUDA events). The GPU cannot reach an op before its host issued it: of the own work before an
+  arrival, the part from the previous finish to the issue is time the GPU waited for launches
+  (``host_wait``), the rest the GPU's own (``device_work``); the host's own pace is the time between
+  its issues of the two records (``host_interval``), whatever its GPU did meanwhile.
 
 Records are held in flat numpy arrays indexed by record number, because a 1024-rank trace has
 hundreds of thousands of them.
@@ -34,6 +39,22 @@ class RankTimelines:
     prev: np.ndarray  # record number -> the rank's previous finished record in this iteration, or NO_RECORD
     gap: np.ndarray  # own work before arriving (us)
     last_arrival: dict  # instance id -> record number of its last member to arrive (complete instances)
+    host: np.ndarray  # record number -> host issue time, global us (nan: unknown, or host-timed: one clock)
+    stage: np.ndarray  # record number -> its rank's pipeline stage
+
+    def host_wait(self):
+        """Per record: the part of its own work before arriving in which its GPU waited for its host to
+        issue the op (from the previous finish to the issue; nan where the host's issue time is unknown)."""
+        return np.clip(self.host - (self.start - self.gap), 0.0, self.gap)
+
+    def device_work(self):
+        """Per record: the rest of its own work, its GPU's: from the issue (or the previous finish) to arriving."""
+        return self.gap - self.host_wait()
+
+    def host_interval(self):
+        """Per record: its host's time from issuing ``prev`` to issuing it (nan at an iteration's start)."""
+        prev = np.where(self.prev != NO_RECORD, self.prev, 0)
+        return np.where(self.prev != NO_RECORD, self.host - self.host[prev], np.nan)
 
     def arrival_awaited(self):
         """Per record: the record number of its instance's last arrival, what it waited for (NO_RECORD where
@@ -49,8 +70,9 @@ KIND_CODES = {"collective": 0, "send": 1, "recv": 2}
 
 def _reached_records(merged):
     """The records that were reached (not only issued) as rows (rank, start, end, instance, iteration, kind,
-    peer offset), and which instances are complete (every member finished them)."""
+    peer offset, host issue time), and which instances are complete (every member finished them)."""
     values, ranks, nan = [], merged.ranks, np.nan  # one flat list: a tuple per record would double the memory
+    split = {rank for rank, trace in ranks.items() if trace.timer != "host_clock"}  # device clock beside host
     complete = np.zeros(len(merged.instances), dtype=bool)
     for instance in merged.instances:
         whole, number = not instance.missing, instance.id
@@ -58,12 +80,12 @@ def _reached_records(merged):
             if "issued_only" in record or rank not in ranks:
                 whole = False
                 continue
-            end, peer, iteration = record["end"], record.get("peer"), record.get("iteration")
+            end, peer, iteration, host = record["end"], record.get("peer"), record.get("iteration"), record.get("host")
             values += (rank, record["start"], nan if end is None else end, number,
                        -1 if iteration is None else iteration, KIND_CODES[record["kind"]],
-                       0 if peer is None else peer - rank)
+                       0 if peer is None else peer - rank, nan if host is None or rank not in split else host)
         complete[number] = whole
-    return np.array(values, dtype=np.float64).reshape(-1, 7), complete
+    return np.array(values, dtype=np.float64).reshape(-1, 8), complete
 
 
 def _iteration_began(merged, rank, iteration, start):
@@ -149,4 +171,4 @@ def build_timelines(merged):
     role_key = _role_keys(rank, stage, iteration, role_of[instance], rows[:, 5].astype(np.int64),
                           rows[:, 6].astype(np.int64))
     return RankTimelines(merged.instances, rank, start, end, instance, iteration, role_key, prev, gap,
-                         _last_arrivals(instance, start, complete))
+                         _last_arrivals(instance, start, complete), rows[:, 7], stage)

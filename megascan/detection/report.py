@@ -2,7 +2,6 @@
 
 from dataclasses import asdict, dataclass, field
 
-
 BLOCKED_LISTED = 16  # the text report lists this many blocked ranks; the JSON has all
 
 
@@ -19,7 +18,7 @@ class Suspect:
     coords: dict
     host: str
     device_index: object
-    kind: str  # "slow_rank" or "hang"
+    kind: str  # "slow_rank", "hang" or (Report.host_bound) "host_bound"
     score: float
     evidence: list = field(default_factory=list)
 
@@ -37,6 +36,7 @@ class Report:
     alignment: dict  # rank -> residual_us, of every rank judged
     unjudged: list  # [{who, why}]: not judged, or judged on part of the run only
     blocked: list = field(default_factory=list)  # [{rank, coords, operation, waits_for, behind}] in a hang
+    host_bound: list = field(default_factory=list)  # Suspect (kind "host_bound"): its host, not its GPU, was late
 
     def to_json(self):
         return asdict(self)
@@ -58,6 +58,11 @@ class Report:
             label = "hung" if suspect.kind == "hang" else suspect.kind.replace("_", " ")
             lines.append(f"{place}. {suspect.title()}: {label}, score {suspect.score:.2f}")
             lines += [f"     - {line}" for line in suspect.evidence]
+        if self.host_bound:
+            lines.append("Host-bound (not a slow GPU: their device waited for their own host, and others for them):")
+            for suspect in self.host_bound:
+                lines.append(f"   {suspect.title()}: host-bound, score {suspect.score:.2f}")
+                lines += [f"     - {line}" for line in suspect.evidence]
         if self.victims:
             lines.append("Victims (they waited for a suspect):")
             lines += [f"   rank {v['rank']}: {v['note']}" for v in self.victims]
