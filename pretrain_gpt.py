@@ -4,8 +4,6 @@ import functools
 import sys
 
 import torch
-
-import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
@@ -13,6 +11,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 from megatron.training.core_configs import language_model_kwargs, transformer_config
 from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import exit_on_user_error

@@ -27,12 +27,13 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
+from simulated_traces import Scenario, simulate  # noqa: E402
+from synthetic_traces import read_lines, write_lines  # noqa: E402
+
 from megascan.aggregate.chrome_trace import write_chrome_trace  # noqa: E402
 from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory  # noqa: E402
 from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
 from megascan.detection import detect  # noqa: E402
-from simulated_traces import Scenario, simulate  # noqa: E402
-from synthetic_traces import read_lines, write_lines  # noqa: E402
 
 SIMULATED_TP, SIMULATED_PP, MICROBATCHES = 8, 8, 9
 

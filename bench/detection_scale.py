@@ -21,9 +21,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
 
 from detection_cases import check, scenarios  # noqa: E402
+from simulated_traces import simulate  # noqa: E402
+
 from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
 from megascan.detection import detect  # noqa: E402
-from simulated_traces import simulate  # noqa: E402
 
 DEFAULT_LAYOUTS = ("8x4x8", "16x2x8", "8x8x8", "16x8x8")
 

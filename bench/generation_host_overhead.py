@@ -29,9 +29,10 @@ from megascope_generation import LLAMA_TINY, PROMPT, _make_llama  # noqa: E402
 
 
 def worker(hf_dir, new_tokens, rounds, profile, flags):
-    import pretrain_gpt
     import torch
     from transformers import AutoModelForCausalLM
+
+    import pretrain_gpt
     from megatron.inference.engine import GenerationEngine
     from megatron.inference.model_setup import setup_for_generation
     from megatron.inference.sampling import SamplingParams

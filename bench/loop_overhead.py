@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
-import pretrain_gpt  # noqa: E402
 from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: E402
+
+import pretrain_gpt  # noqa: E402
 from megatron.training.errors import exit_on_user_error  # noqa: E402
 from megatron.training.initialize import shutdown  # noqa: E402
 from megatron.training.training import setup_job  # noqa: E402

@@ -128,8 +128,8 @@ def main():
         "--lr", "1e-4", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0"]
     print(f"model: {' '.join(MODELS[cases])}; {args.iterations} iterations; median ms/iteration after the 2nd")
-    print(f"| case | processes | ms / iteration | per process: peak host RSS MB (GPU MB) |")
-    print(f"|---|---|---|---|")
+    print("| case | processes | ms / iteration | per process: peak host RSS MB (GPU MB) |")
+    print("|---|---|---|---|")
     for name, (nproc, flags) in CASES[cases].items():
         code, ms, peaks, log = run_case(nproc, flags, common, args.timeout)
         per_rank = "; ".join(f"{label} {rss:.0f}" + (f" ({gpu})" if gpu else "")

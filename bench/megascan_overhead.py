@@ -29,8 +29,9 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import megascan  # noqa: E402
 from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job  # noqa: E402
+
+import megascan  # noqa: E402
 from megascan.layer_tracer import LayerTracer  # noqa: E402
 from megascan.session import is_traced  # noqa: E402
 from megatron.training.errors import exit_on_user_error  # noqa: E402

@@ -117,6 +117,8 @@ def _hf_tokens_per_second(hf_dir, new_tokens, device):
 
 
 def worker(kind, flags, new_tokens, hf_dir):
+    import torch
+
     import pretrain_gpt
     from megascope.inference_session import InferenceSession
     from megascope.wire import Limits
@@ -126,7 +128,6 @@ def worker(kind, flags, new_tokens, hf_dir):
     from megatron.inference.prompts import PromptEncoder
     from megatron.inference.sampling import SamplingParams
     from megatron.inference.service import GenerationService
-    import torch
 
     args, model, tokenizer = setup_for_generation(flags, "megascope_generation.py", pretrain_gpt.model_provider)
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")

@@ -2,10 +2,9 @@
 
 import ipaddress
 
+from megadpp.policy import POLICIES
 from megatron.training.errors import ArgumentError
 from megatron.training.writable_paths import check_new_file_writable
-
-from megadpp.policy import POLICIES
 
 
 def add_arguments(parser):

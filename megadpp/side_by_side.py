@@ -18,14 +18,13 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+from megadpp.fault_injection import StaticLinkDelay, install_stage_delay
+from megadpp.runtime import DynamicPipelineSchedule
 from megatron.training.errors import ArgumentError
 from megatron.training.model_setup import setup_model_and_optimizer
 from megatron.training.plugins import PluginRegistry
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training import Trainer, build_iterators, setup_job
-
-from megadpp.fault_injection import StaticLinkDelay, install_stage_delay
-from megadpp.runtime import DynamicPipelineSchedule
 
 STATIC = "static"
 

@@ -1,8 +1,7 @@
 """MegaFBD's flags and every check of how they fit the launch and the other flags."""
 
-from megatron.training.errors import ArgumentError
-
 from megafbd.layout import InstanceLayout
+from megatron.training.errors import ArgumentError
 
 
 def add_arguments(parser):

@@ -20,16 +20,24 @@ from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.utils import get_attr_wrapped_model, get_model_config
 
+from megafbd.backward_schedule import stage_tensor_shape
+from megafbd.batch_transfer import ForwardedBatches
+from megafbd.coordinator import (
+    GO,
+    STOP,
+    TAG_ACK,
+    TAG_ACTIVATION,
+    TAG_CONTROL,
+    TAG_RNG,
+    TAG_STAGE_INPUT,
+    Coordinator,
+    receive,
+)
+from megafbd.dropout_rng import load_packed_state, packed_size
+from megafbd.weight_sync import WeightSync
 from megatron.training.model_setup import build_model
 from megatron.training.signal_handler import STOP_SIGNALS
 from megatron.training.training import build_iterators
-
-from megafbd.backward_schedule import stage_tensor_shape
-from megafbd.batch_transfer import ForwardedBatches
-from megafbd.coordinator import (GO, STOP, TAG_ACK, TAG_ACTIVATION, TAG_CONTROL, TAG_RNG, TAG_STAGE_INPUT,
-                                 Coordinator, receive)
-from megafbd.dropout_rng import load_packed_state, packed_size
-from megafbd.weight_sync import WeightSync
 
 
 class ForwardInstance:

@@ -11,9 +11,8 @@ not. Control messages, acknowledgements, batch sizes and checksums are not recor
 
 import collections
 
-from megascan import message_tracer
-
 from megafbd.coordinator import TAG_ACTIVATION, TAG_BATCH, TAG_INPUT_GRAD, TAG_STAGE_INPUT, TAG_WEIGHTS
+from megascan import message_tracer
 
 TRACED = {TAG_WEIGHTS: "weights", TAG_STAGE_INPUT: "stage-input", TAG_BATCH: "batch",
           TAG_ACTIVATION: "activation", TAG_INPUT_GRAD: "input-grad"}

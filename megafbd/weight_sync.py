@@ -13,9 +13,8 @@ that it is exact on CPU and GPU alike; any difference stops the run.
 
 import torch
 
-from megatron.training.errors import UserError
-
 from megafbd.coordinator import TAG_CHECKSUM, TAG_WEIGHTS, receive
+from megatron.training.errors import UserError
 
 
 def named_parameters(chunk):

@@ -9,7 +9,6 @@ first recomputation pass) has no backward to observe.
 """
 
 import torch
-
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 

@@ -23,10 +23,9 @@ from dataclasses import asdict, dataclass
 import torch
 from megatron.core import parallel_state
 
-from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
-
 from megascope.errors import ProtocolError, within
 from megascope.hooks import global_layer_index, rewrite_output, unwrap_model
+from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
 
 STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
                    "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "ln1": "input_layernorm",

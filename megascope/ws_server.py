@@ -30,9 +30,19 @@ import websockets
 from websockets.asyncio.server import serve
 
 from megascope.errors import ProtocolError
-from megascope.wire import (ACCEPTED_PROTOCOLS, INFERENCE_TYPES, PROTOCOL_VERSION, TRAINING_TYPES, Limits, encode_message,
-                            echo_id, error_from, error_message, parse_message,
-                            sent_id)
+from megascope.wire import (
+    ACCEPTED_PROTOCOLS,
+    INFERENCE_TYPES,
+    PROTOCOL_VERSION,
+    TRAINING_TYPES,
+    Limits,
+    echo_id,
+    encode_message,
+    error_from,
+    error_message,
+    parse_message,
+    sent_id,
+)
 from megatron.training.errors import UserError
 
 log = logging.getLogger("megascope.ws")

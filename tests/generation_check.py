@@ -9,9 +9,9 @@ import sys
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
-import megatron.training  # noqa: E402,F401
 import torch  # noqa: E402
 
+import megatron.training  # noqa: E402,F401
 import pretrain_gpt  # noqa: E402
 from megatron.inference.engine import GenerationEngine  # noqa: E402
 from megatron.inference.greedy import greedy_generate  # noqa: E402

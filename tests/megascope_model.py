@@ -9,14 +9,13 @@ import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 import megatron.training  # noqa: F401
+from megascope.capture import Capture
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_megatron
 from megatron.training.layout_invariant_init import reinitialize_layout_invariant
 from megatron.training.model_setup import _build_chunks
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_args import validate_args
-
-from megascope.capture import Capture
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
 from pretrain_gpt import model_provider  # noqa: E402

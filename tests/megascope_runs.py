@@ -5,7 +5,6 @@ import functools
 import os
 
 import torch
-
 from launch import REPO, assert_succeeded, torchrun
 from megascope_model import TINY_MODEL_FLAGS
 
@@ -26,7 +25,7 @@ def runs_root(tmp_path_factory):
     return str(tmp_path_factory.getbasetemp() / "megascope_runs")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def saved(layout, root):
     nproc, flags = LAYOUTS[layout]
     out = f"{root}/{layout}"

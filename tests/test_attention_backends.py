@@ -6,7 +6,6 @@ import functools
 import re
 
 import pytest
-
 from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
 
 ITERATIONS = 4
@@ -16,7 +15,7 @@ LAYOUTS = {"single": (1, ()), "tp2_pp2": TP2_PP2,
            "tp2_gqa": (2, ("--tensor-model-parallel-size", "2", "--group-query-attention", "--num-query-groups", "2"))}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _gpt_losses(layout, backend, data_prefix, attention_dropout="0"):
     nproc, flags = LAYOUTS[layout]
     args = TINY_GPT + gpt_data_args(data_prefix) + ["--train-iters", ITERATIONS, "--attention-backend", backend,

@@ -3,7 +3,6 @@
 import re
 
 import pytest
-
 from launch import REPO, TINY_GPT, assert_succeeded, torchrun
 
 ITERATIONS = 10

@@ -8,6 +8,21 @@ import subprocess
 
 import psutil
 import pytest
+from launch import (
+    REPO,
+    TINY_GPT,
+    assert_succeeded,
+    child_env,
+    gpt_data_args,
+    job_acted_on,
+    lm_losses,
+    preempted_run,
+    run_script,
+    torchrun,
+    torchrun_command,
+)
+from readme_commands import as_launched, readme_commands
+
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_checks import damaged_file
 from megatron.training.errors import UserError
@@ -15,10 +30,6 @@ from megatron.training.save_dir_checks import checkpoint_size_estimate
 from megatron.training.save_lock import LOCK_FILENAME, release_save_locks, take_save_lock
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_args import validate_args
-
-from launch import (REPO, TINY_GPT, assert_succeeded, child_env, gpt_data_args, job_acted_on, lm_losses,
-                    preempted_run, run_script, torchrun, torchrun_command)
-from readme_commands import as_launched, readme_commands
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

@@ -4,10 +4,10 @@ times must match the truth (the reference rank's clock) to about a microsecond, 
 must not be taken for drift, and the summary must say which model was fitted."""
 
 import pytest
+from simulated_traces import Scenario, simulate
 
 from megascan.aggregate import load_and_merge
 from megascan.aggregate.alignment_summary import describe_alignment
-from simulated_traces import Scenario, simulate
 
 TRUTH_TOLERANCE_US = 1.5  # finishes jitter by 0.5 us per member; anchors are off by up to 5 us
 

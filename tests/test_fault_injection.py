@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import torch
-
 from launch import REPO
 
 CONTROL = REPO / "scripts/gpu_control.sh"

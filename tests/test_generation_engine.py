@@ -7,7 +7,6 @@ draws from its own stream: alone it gets the tokens it has in the batch)."""
 import json
 
 import pytest
-
 from generation_server import TINY_SERVER as TINY  # the servers' tiny model: the same flags
 from launch import assert_succeeded, torchrun
 

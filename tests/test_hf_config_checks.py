@@ -6,8 +6,8 @@ it was loaded."""
 import sys
 
 import pytest
-
 from launch import REPO
+
 from megatron.training.errors import ArgumentError, UserError
 
 sys.path.insert(0, str(REPO / "tools/checkpoint"))

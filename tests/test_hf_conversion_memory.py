@@ -10,11 +10,10 @@ import shutil
 
 import pytest
 import torch
-from safetensors import safe_open
-from transformers import LlamaConfig, LlamaForCausalLM
-
 from hf_tokenizer import write_word_tokenizer
 from launch import assert_succeeded, run_script
+from safetensors import safe_open
+from transformers import LlamaConfig, LlamaForCausalLM
 
 SHARD_MB = 40
 LAYERS = 12  # hidden 512, ffn 1536: 12.6 MB a layer; vocabulary 63990: 131 MB embedding and output layer, fp32

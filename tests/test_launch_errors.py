@@ -5,8 +5,8 @@ import signal
 import sys
 
 import pytest
-
 from launch import REPO, TINY_GPT, gpt_data_args, run_script, run_script_cases, torchrun
+
 from megatron.training.errors import exit_on_user_error
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import REPO, child_env, free_port
 
 SCRIPT = """

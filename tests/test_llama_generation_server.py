@@ -9,7 +9,6 @@ import sys
 
 import pytest
 import torch
-
 from generation_server import GenerationServer
 from launch import REPO
 from test_hf_conversion import LLAMA3, _convert, _hf_model

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
+from launch import TINY_GPT, run_script
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
-from launch import TINY_GPT, run_script
 from megadpp.actions import StageLayout
 from megadpp.policy import POLICIES
 from megadpp.prediction import predict

@@ -12,9 +12,8 @@ import json
 import re
 
 import pytest
-from torch.distributed.pipelining.schedules import _Action, _validate_schedule
-
 from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, torchrun
+from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
 ITERATIONS = 10
 JITTER = ["--use-dpp", "--dpp-jitter-ms", "3"]

@@ -9,9 +9,10 @@ import subprocess
 import sys
 
 from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, torchrun
+from megascan_runs import read_trace_file
+
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
-from megascan_runs import read_trace_file
 
 
 def test_traced_dpp_run_matches_transfers_and_names_the_slowed_stage(gpt_data, tmp_path):

@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import REPO, assert_succeeded, torchrun
+
 from megadpp.transport import cuda_ipc_available
 from megadpp.transport._shm import segment_bytes
 

@@ -14,13 +14,22 @@ import sys
 
 import pytest
 import torch
+from launch import (
+    REPO,
+    TINY_GPT,
+    assert_succeeded,
+    gpt_data_args,
+    lm_losses,
+    preempted_run,
+    run_script,
+    torchrun,
+    torchrun_command,
+)
 
-from launch import (REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses,
-                    preempted_run, run_script, torchrun, torchrun_command)
 from megafbd.batch_transfer import pack, unpack
-from megascan.aggregate.merged_trace import load_and_merge
 from megafbd.layout import BACKWARD, FORWARD, InstanceLayout
 from megafbd.weight_sync import checksum
+from megascan.aggregate.merged_trace import load_and_merge
 
 ITERATIONS = 6
 RESUME_AT = 3

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 import torch
-
 from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
+
 from megascan.aggregate.merged_trace import load_and_merge
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0

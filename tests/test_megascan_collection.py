@@ -4,7 +4,6 @@ does not change the losses, and bad tracing flags stop the run at start with one
 import concurrent.futures
 
 import pytest
-
 from launch import TINY_GPT, gpt_data_args, lm_losses, run_script, torchrun
 from megascan_runs import read_trace_file, traced_run
 

@@ -13,7 +13,6 @@ import subprocess
 import threading
 
 import pytest
-
 from generation_server import TINY_SERVER, GenerationServer
 from launch import REPO, TINY_GPT, child_env, free_port, kill_process_tree, torchrun_command
 

@@ -11,9 +11,8 @@ import threading
 
 import pytest
 import websockets
-from websockets.sync.client import connect
-
 from launch import REPO, child_env, free_port, kill_process_tree, torchrun, torchrun_command
+from websockets.sync.client import connect
 
 from megascope import PLUGIN
 from megascope.wire import decode_data_frame

@@ -7,8 +7,16 @@ import numpy as np
 import pytest
 
 from megascope.errors import ProtocolError
-from megascope.wire import (TRAINING_TYPES, Limits, check_limits, decode_data_frame, encode_data_frame,
-                            encode_message, parse_message, parse_rest_request)
+from megascope.wire import (
+    TRAINING_TYPES,
+    Limits,
+    check_limits,
+    decode_data_frame,
+    encode_data_frame,
+    encode_message,
+    parse_message,
+    parse_rest_request,
+)
 
 
 def refused(text, **kwargs):

@@ -5,6 +5,8 @@ import subprocess
 import sys
 
 import pytest
+from launch import REPO
+
 from megadpp.arguments import add_arguments as add_dpp_arguments
 from megadpp.arguments import validate_args as validate_dpp_args
 from megatron.training.arguments import parse_args
@@ -12,8 +14,6 @@ from megatron.training.errors import UserError
 from megatron.training.save_dir_checks import short_of_space_warning
 from megatron.training.save_lock import release_save_locks, take_save_lock
 from megatron.training.validate_args import validate_args
-
-from launch import REPO
 
 MOCK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "3", "--mock-data", "--vocab-size", "1000",

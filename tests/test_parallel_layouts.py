@@ -9,7 +9,6 @@ TP1/PP1 losses up to float reassociation.
 import functools
 
 import pytest
-
 from launch import TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
 
 ITERATIONS = 12
@@ -33,7 +32,7 @@ LAYOUTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _losses(layout, data_prefix):
     nproc, flags = LAYOUTS[layout]
     result = torchrun(nproc, "pretrain_gpt.py",

@@ -5,9 +5,8 @@ import json
 import re
 
 import pytest
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, run_script, torchrun
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 PER_ITERATION_TAGS = {"lm loss", "learning-rate", "grad-norm", "batch-size"}
 LOG_LINE_TAGS = {"iteration-time", "throughput", "tokens-per-second", "skipped-iterations", "peak-host-rss-bytes"}

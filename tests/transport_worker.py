@@ -16,8 +16,13 @@ import sys
 import torch
 import torch.distributed as dist
 
-from megadpp.transport import (TransportSetupError, create_transport, cuda_ipc_transport, distributed_transport,
-                               shared_memory_transport)
+from megadpp.transport import (
+    TransportSetupError,
+    create_transport,
+    cuda_ipc_transport,
+    distributed_transport,
+    shared_memory_transport,
+)
 from megadpp.transport.distributed import DistributedTransport
 from megadpp.transport.node import NodeTransport
 from megatron.training.errors import exit_on_user_error

@@ -15,8 +15,8 @@ import os
 import re
 import sys
 import tempfile
-
 from pydoc_data.topics import topics
+
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
 # 8192 = 64 * 128: a multiple of --make-vocab-size-divisible-by 128 times a tensor-parallel size of

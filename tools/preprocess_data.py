@@ -208,6 +208,7 @@ def encoded_documents(encoder, lines, workers):
 
 def preprocess(args, input_file):
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
     from megatron.training.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args)

@@ -18,9 +18,9 @@ import threading
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, REPO)
-import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
 import torch  # noqa: E402
 
+import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
 import pretrain_gpt  # noqa: E402
 from megascope.inference_session import InferenceSession, ScopeObserver, apply_perturbations  # noqa: E402
 from megascope.wire import Limits  # noqa: E402

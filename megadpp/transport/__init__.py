@@ -27,8 +27,7 @@ transfers that bypass torch.distributed. ``seq`` counts the messages of one dire
 times are ``time.perf_counter_ns()`` (CLOCK_MONOTONIC).
 """
 
-from megadpp.transport.base import Handle, Transport, TransferEvent
-from megadpp.transport.native import TransportSetupError  # loads csrc/'s extension; says if CUDA IPC is missing
+from megadpp.transport.base import Handle, TransferEvent, Transport
 from megadpp.transport.factories import (
     create_transport,
     cuda_ipc_available,
@@ -36,6 +35,7 @@ from megadpp.transport.factories import (
     distributed_transport,
     shared_memory_transport,
 )
+from megadpp.transport.native import TransportSetupError  # loads csrc/'s extension; says if CUDA IPC is missing
 
 __all__ = [
     "Handle", "Transport", "TransferEvent", "TransportSetupError", "create_transport", "cuda_ipc_available", "cuda_ipc_transport",

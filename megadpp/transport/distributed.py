@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megadpp.transport.base import Handle, Transport, TransferEvent
+from megadpp.transport.base import Handle, TransferEvent, Transport
 from megadpp.transport.native import TransportSetupError
 
 MAX_DIMS = 16

@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 # A message takes at least this long; also above float64's resolution of microseconds since 1970
 # (0.25 us), so that a corrected transfer cannot run backwards once written.
 GAP_US = 1.0

@@ -11,8 +11,12 @@ import functools
 import os
 
 from megatron.training.arguments import parse_args
-from megatron.training.checkpointing import (TRACKER_FILENAME, load_checkpoint, read_tracker,
-                                             use_checkpoint_vocab_padding)
+from megatron.training.checkpointing import (
+    TRACKER_FILENAME,
+    load_checkpoint,
+    read_tracker,
+    use_checkpoint_vocab_padding,
+)
 from megatron.training.errors import ArgumentError, UserError
 from megatron.training.initialize import initialize_megatron
 from megatron.training.model_setup import build_model

@@ -17,7 +17,7 @@ DCP's ``.metadata``), so ``dist_checkpointing.load`` reads it at any TP/PP.
 
 import dataclasses
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core.dist_checkpointing.dict_utils import nested_values
