@@ -20,7 +20,8 @@ from podman_env import (
 )
 
 IMAGE = "localhost/megatronapp-ci/megatronapp:test"
-TRAIN_ITERS = 20
+TRAIN_ITERS = 10  # the quickstart at 10 iterations: its warm-up must end within the run
+BUILT_BY_TEST = "megatronapp-ci-test-image"
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +31,13 @@ def image(tmp_path_factory):
     env = podman_environment(work_dir)
     base = ensure_base_image(env, work_dir)
     build = subprocess.run(
-        ["podman", "build", "--network", "host", *pip_sources_for_build(work_dir),
+        ["podman", "build", "--network", "host", *pip_sources_for_build(work_dir), "--label", BUILT_BY_TEST,
          "--build-arg", f"BASE_IMAGE={base}", "-t", IMAGE, "-f", str(REPO / "Dockerfile"), str(REPO)],
         check=False, env=env, capture_output=True, text=True)
     assert build.returncode == 0, f"podman build failed:\n{build.stdout[-4000:]}\n{build.stderr[-4000:]}"
+    # The image this test built before a code change lost its tag: remove it (and only images of this test).
+    subprocess.run(["podman", "image", "prune", "-f", "--filter", f"label={BUILT_BY_TEST}"],
+                   check=False, env=env, capture_output=True)
     return env
 
 
@@ -60,3 +64,12 @@ def test_quickstart_in_the_container_writes_checkpoint_and_merged_trace_to_the_v
     ranks = {re.search(r"\(rank (\d+)\)", e["args"]["name"]).group(1) for e in events if e["name"] == "thread_name"}
     assert ranks == {"0", "1", "2", "3"}  # TP2 x PP2 on 4 CPU processes, merged into one timeline
     assert any(e["ph"] == "X" and e["name"] == "mlp-forward" for e in events)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "docker").glob("DockerUsage_*.sh")))
+def test_run_scripts_refuse_a_missing_or_unwritable_output_dir_in_one_line(script, tmp_path):
+    for arguments, problem in (([], "missing OUTPUT_DIR"), (["/proc/outputs"], "is not writable")):
+        result = subprocess.run(["bash", str(REPO / "docker" / script), *arguments],
+                                check=False, capture_output=True, text=True)
+        assert result.returncode == 2 and result.stdout == ""
+        assert result.stderr.count("\n") == 1 and problem in result.stderr, result.stderr
