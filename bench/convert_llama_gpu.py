@@ -6,8 +6,9 @@ against transformers: logits of a batch of prompts (fp32 on both sides) and gree
 For each shape: a random model (no download: weights drawn on --device) saved as sharded bf16
 safetensors with a word-level tokenizer (w0 .. wN, one token a word); tools/checkpoint/convert.py
 --bf16 (wall time, its per-shard GB and GB/s, its peak host memory above its imports beside the
-largest shard plus the largest layer); generate_greedy.py on the checkpoint in fp32 (the bf16 weights upcast, as transformers does with them); transformers in fp32
-on the same prompts. Writes RESULTS_DIR/<shape>.json, the logs, and summary.txt (also printed).
+largest shard plus the largest layer); generate_greedy.py on the checkpoint in fp32 (the bf16
+weights upcast, as transformers does with them); transformers in fp32 on the same prompts.
+Writes RESULTS_DIR/<shape>.json, the logs, and summary.txt (also printed).
 Models go to a temporary directory removed at the end.
 """
 
@@ -162,11 +163,13 @@ def check(shape, out_dir, work_root, device):
 
 def summary(results, device):
     header = (f"{'shape':<14} {'params':>10} {'HF GB':>7} {'convert s':>9} {'tensors s':>9} {'GB/s':>6} {'peak GB':>8} "
-              f"{'above imports GB':>16} {'shard+layer GB':>14} {'logits rel err':>14} {'tol':>6} {'tokens equal':>12} {'min top-2 gap':>13}")
+              f"{'above imports GB':>16} {'shard+layer GB':>14} {'logits rel err':>14} {'tol':>6} "
+              f"{'tokens equal':>12} {'min top-2 gap':>13}")
     lines = [f"device: {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}), "
              f"torch {torch.__version__}", header]
     for r in results:
-        lines.append(f"{r['shape']:<14} {r['params']:>10,} {r['gigabytes']:>7.4f} {r['convert_wall_s']:>9.1f} {r['tensors_s']:>9.1f} "
+        lines.append(f"{r['shape']:<14} {r['params']:>10,} {r['gigabytes']:>7.4f} {r['convert_wall_s']:>9.1f} "
+                     f"{r['tensors_s']:>9.1f} "
                      f"{r['gb_per_s']:>6.3f} {r['peak_host_gb']:>8.3f} {r['peak_above_imports_gb']:>16.3f} "
                      f"{r['shard_plus_layer_gb']:>14.3f} "
                      f"{r['logits_max_rel_err_fp32']:>14.2e} {r['tolerance']:>6.0e} {str(r['tokens_equal']):>12} "

@@ -3,8 +3,8 @@
     python bench/generation_host_overhead.py               # tiny Llama on CPU, one thread: ms/token, both
     python bench/generation_host_overhead.py --profile     # and a cProfile of ours (top functions)
 
-A tiny Llama-shaped model (hidden 64, 16 layers as Llama-3.2-1B, GQA 4/2) makes the model math negligible on one CPU thread,
-so the time per token is the host's (Python, dispatch): what bounds a small-batch decode step on a GPU.
+A tiny Llama-shaped model (hidden 64, 16 layers as Llama-3.2-1B, GQA 4/2) makes the model math negligible on one
+CPU thread, so the time per token is the host's (Python, dispatch): what bounds a small-batch decode step on a GPU.
 The random weights are created here, converted by tools/checkpoint/convert.py, and both generators run greedy
 on the same weights in one process, alternately, and report their best of a few rounds. Times are the
 thread's CPU time (one thread does all the work), so other processes sharing the cores barely move them.
@@ -101,7 +101,8 @@ def main():
     if result.returncode != 0 or not lines:
         sys.exit(f"worker failed (exit {result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")
     row = json.loads(lines[-1][len("RESULT "):])
-    print(f"tiny Llama ({options.layers} layers), CPU, 1 thread, batch 1, {len(PROMPT)}-token prompt, {options.new_tokens} new tokens, greedy")
+    print(f"tiny Llama ({options.layers} layers), CPU, 1 thread, batch 1, {len(PROMPT)}-token prompt, "
+          f"{options.new_tokens} new tokens, greedy")
     print(f"ours {row['ours']:.2f} ms/token, transformers generate {row['transformers']:.2f} ms/token, "
           f"ratio {row['ours'] / row['transformers']:.2f}, same tokens: {row['same tokens']}")
 

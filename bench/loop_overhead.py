@@ -104,7 +104,7 @@ def main():
     times = {"bare": [], "ours": []}
     for pair in range(args.bench_pairs):
         for name in (("bare", "ours") if pair % 2 == 0 else ("ours", "bare")):
-            seconds = _synchronized_seconds(lambda: loops[name](job, args.bench_iters), args)
+            seconds = _synchronized_seconds(lambda loop=loops[name]: loop(job, args.bench_iters), args)
             times[name].append(seconds / args.bench_iters * 1000)
     ratios = sorted(ours / bare - 1 for bare, ours in zip(times["bare"], times["ours"]))
     quartiles = statistics.quantiles(ratios, n=4)

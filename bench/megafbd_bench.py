@@ -52,7 +52,8 @@ MODELS = {
 }
 
 _ITERATION_MS = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
-_INSTANCE = re.compile(r"megafbd: (\w+) instance \(stage (\d+), replica (\d+), tensor rank (\d+)\) \(global rank (\d+)\)"
+_INSTANCE = re.compile(r"megafbd: (\w+) instance \(stage (\d+), replica (\d+), tensor rank (\d+)\) "
+                       r"\(global rank (\d+)\)"
                        r".*peak (GPU memory|host RSS) (\d+) MB")
 _NORMAL_GPU = re.compile(r"peak memory \(MB\): (\d+)")
 
@@ -81,7 +82,7 @@ def run_case(nproc, flags, common, timeout):
         reader = threading.Thread(target=lambda: output.extend(job.stdout), daemon=True)
         reader.start()
         while job.poll() is None and time.time() - start < timeout:
-            for pid, (rank, process) in _worker_ranks(launcher).items():
+            for _pid, (rank, process) in _worker_ranks(launcher).items():
                 try:
                     peaks[rank] = max(peaks.get(rank, 0), process.memory_info().rss)
                 except psutil.NoSuchProcess:

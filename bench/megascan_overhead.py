@@ -104,7 +104,8 @@ class IntervalRunner:
             kind = "traced" if is_traced(self.iteration + 1, args.trace_interval,
                                          args.continuous_trace_iterations) else "untraced"
             cpu_seconds = []
-            times[kind].append(_synchronized_seconds(lambda: self._iteration(cpu_seconds), args) * 1000)
+            seconds = _synchronized_seconds(lambda cpu_seconds=cpu_seconds: self._iteration(cpu_seconds), args)
+            times[kind].append(seconds * 1000)
             times[f"{kind}_cpu"].append(cpu_seconds[0] * 1000)
         started = time.perf_counter()
         self.session.writer.drain()
@@ -176,7 +177,7 @@ def main():
               "off_cpu_ms_per_iteration": statistics.median(off_cpu),
               "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in MODES}}
     for mode in MODES[1:]:
-        def relative(kind, reference):
+        def relative(kind, reference, mode=mode):
             return _relative([statistics.mean(r[kind]) for r in runs[mode]], reference)
         result[mode] = {"interval": _relative(totals[mode], totals["off"]),
                         "traced_iterations": relative("traced", off_iteration),

@@ -5,10 +5,11 @@
 
 For each model, greedy generation of NEW tokens after a 32-token prompt (batch 1, one process):
   tokens/s with capture off (the default path: static KV cache, CUDA-graphed decode), the same without CUDA graphs
-  and on megatron-core's inference path (with how many greedy tokens agree), with the WebSocket server on and idle, and with a full capture (every hook
-  at every layer, raw values, logit lens) streamed to a real WebSocket client; bytes per generated token
-  on the wire (binary data frames + JSON) against the same content as JSON text; for the Llama model,
-  transformers' generate on the same random weights (created here, converted by tools/checkpoint/convert.py).
+  and on megatron-core's inference path (with how many greedy tokens agree), with the WebSocket server on and idle,
+  and with a full capture (every hook at every layer, raw values, logit lens) streamed to a real WebSocket client;
+  bytes per generated token on the wire (binary data frames + JSON) against the same content as JSON text; for the
+  Llama model, transformers' generate on the same random weights (created here, converted by
+  tools/checkpoint/convert.py).
 Each model runs in a worker process of its own (one megatron initialisation per process).
 """
 
@@ -144,7 +145,7 @@ def worker(kind, flags, new_tokens, hf_dir):
         other = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, args.max_position_embeddings, device,
                                  **variant)
         other.generate([PROMPT], params)  # warm-up
-        theirs, seconds = _timed(lambda: other.generate([PROMPT], params))
+        theirs, seconds = _timed(lambda other=other: other.generate([PROMPT], params))
         row[column] = _generated(theirs) / seconds
         # bf16 rounding differs between the paths, so a near tie may flip a greedy token: report where they part.
         same = [a == b for a, b in zip(generation.tokens[0], theirs.tokens[0])] + [False]

@@ -164,7 +164,8 @@ def main():
               f"{theirs} bandwidth (GB/s) | bandwidth ratio |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
         for size, our_lat, their_lat, our_bw, their_bw in rows:
-            label = f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+            label = (f"{size >> 30} GiB" if size >= 1 << 30 else f"{size >> 20} MiB" if size >= 1 << 20
+                     else f"{size >> 10} KiB")
             print(f"| {label} | {our_lat * 1e6:.1f} | {their_lat * 1e6:.1f} | {our_lat / their_lat:.2f} | "
                   f"{our_bw / 1e9:.2f} | {their_bw / 1e9:.2f} | {our_bw / their_bw:.2f} |", flush=True)
     dist.destroy_process_group()

@@ -76,7 +76,8 @@ def validate_args(args):
              f"--dpp-max-inflight must be at least 1, got {args.dpp_max_inflight}")
     _require(args.dpp_timeout is None or args.dpp_timeout > 0,
              f"--dpp-timeout must be a positive number of seconds, got {args.dpp_timeout}")
-    _require(args.workload is None or args.workload > 0, f"--workload must be a positive byte count, got {args.workload}")
+    _require(args.workload is None or args.workload > 0,
+             f"--workload must be a positive byte count, got {args.workload}")
     if args.node_ips:
         for address in args.node_ips.split(","):
             try:
@@ -89,7 +90,8 @@ def validate_args(args):
                  f"{flag} {stage} is not a pipeline stage of this job (0..{stages - 1})")
     _require(args.dpp_delay_stage is None or args.device == "cpu",
              "--dpp-delay-stage sleeps on the host and works with --device cpu only")
-    _require(args.dpp_delay_ms >= 0 and args.dpp_jitter_ms >= 0, "--dpp-delay-ms and --dpp-jitter-ms must not be negative")
+    _require(args.dpp_delay_ms >= 0 and args.dpp_jitter_ms >= 0,
+             "--dpp-delay-ms and --dpp-jitter-ms must not be negative")
     _require(0.0 < args.dpp_delay_probability <= 1.0,
              f"--dpp-delay-probability must be in (0, 1], got {args.dpp_delay_probability}")
 

@@ -7,9 +7,10 @@ megadpp/static_orders.py) for as long as that order's next action is ready, and 
 when the pipeline is healthy. It deviates only when that action is late: not ready by its deadline,
 which is as long as a healthy pipeline keeps this rank waiting for it (the compute part times
 ``1 + SLACK``, each transfer on the way counted as ``TRANSFER_ACTIONS`` actions) plus ``PATIENCE_ACTIONS``
-actions, in units of the mean duration of the actions this rank ran so far in the iteration. Then it runs the best ready action by its fallback preference among those at most
-``LOOKAHEAD`` places further on in the static order, or of the oldest microbatch it has not finished
-(which the deadlock argument of docs/megadpp.md needs to be runnable).
+actions, in units of the mean duration of the actions this rank ran so far in the iteration. Then it runs
+the best ready action by its fallback preference among those at most ``LOOKAHEAD`` places further on in
+the static order, or of the oldest microbatch it has not finished (which the deadlock argument of
+docs/megadpp.md needs to be runnable).
 
 Why a look-ahead: when a stage is slow, the ranks around it see late inputs too; if they ran whatever
 was ready they would feed the slow stage in another order than the one its own static order expects,

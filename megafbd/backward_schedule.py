@@ -3,8 +3,9 @@
 Per microbatch, in order: take the stage input from the forward partner (the hidden states, except at
 the first stage, and whatever the stage's forward step reads from its data iterator: the token batch
 at the first stage, labels and loss mask at the last; ``ReceivedBatches`` stands in for the data
-iterator, so the backward instances read no data in training), recompute the stage's forward with gradients (megatron-core's ``forward_step``: loss scaling and
-averaging as in every megatron-core schedule), take the output gradient from the next stage's
+iterator, so the backward instances read no data in training), recompute the stage's forward with
+gradients (megatron-core's ``forward_step``: loss scaling and averaging as in every megatron-core
+schedule), take the output gradient from the next stage's
 backward instance (the last stage computes the loss itself), run the backward
 (megatron-core's ``backward_step``) and hand the input gradient to the coordinator for the previous
 stage's backward instance. Only one microbatch's activations are alive at a time. Gradients are

@@ -42,7 +42,8 @@ class MegaFBDPlugin:
     def start_process_group(self, args):
         launched = int(os.environ.get("WORLD_SIZE", "1"))
         layout = InstanceLayout.for_launch(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                           1 if args.ignore_forward_tensor_parallel else args.tensor_model_parallel_size,
+                                           1 if args.ignore_forward_tensor_parallel
+                                           else args.tensor_model_parallel_size,
                                            launched)
         args.fbd_backward_sequence_parallel = args.sequence_parallel
         args.fbd_draws_dropout = draws_dropout_alike(args)  # before a forward process takes its own device

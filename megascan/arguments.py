@@ -76,7 +76,8 @@ def validate_trace_args(args):
 
 def validate_detect_args(args):
     """--trace-detect and its companions (checked whether or not --trace is on: they need it)."""
-    for flag, value in (("--trace-detect-exit", args.trace_detect_exit), ("--trace-detect-hook", args.trace_detect_hook)):
+    for flag, value in (("--trace-detect-exit", args.trace_detect_exit),
+                        ("--trace-detect-hook", args.trace_detect_hook)):
         _require(not value or args.trace_detect, f"{flag} needs --trace-detect")
     if not args.trace_detect:
         return

@@ -253,7 +253,8 @@ class ClockAligner:
         wall-clock estimate of its offset}, taken out before the fit; ``fixed``: ranks that read the
         reference's clock (not fitted)."""
         anchors = initial_offsets_us or {}
-        initial = {rank: float(offset) - float(anchors.get(self.reference_rank, 0.0)) for rank, offset in anchors.items()}
+        initial = {rank: float(offset) - float(anchors.get(self.reference_rank, 0.0))
+                   for rank, offset in anchors.items()}
         instances = {k: {r: t - initial.get(r, 0.0) for r, t in ends.items()} for k, ends in instances.items()
                      if len(ends) >= 2}
         all_ranks = {rank for ends in instances.values() for rank in ends} | set(initial)

@@ -31,6 +31,7 @@ from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megascope.inference")
 DEFAULT_TOPK = 5
+_DEFAULT_LIMITS = Limits()  # frozen: one shared default instance
 
 
 class ScopeObserver(NoObserver):
@@ -222,7 +223,7 @@ class InferenceSession:
     """Rank 0's WebSocket session (see megascope/ws_server.py for the interface)."""
     mode = "inference"
 
-    def __init__(self, service, encoder, model, args, limits=Limits()):
+    def __init__(self, service, encoder, model, args, limits=_DEFAULT_LIMITS):
         self.service = service
         self.encoder = encoder
         self.model = model

@@ -28,8 +28,9 @@ class LayerStatistics:
     def install(self):
         for model in self.models:
             for layer in model.decoder.layers:
+                index = global_layer_index(layer)
                 self.handles.append(layer.register_forward_hook(
-                    lambda _m, _i, output, index=global_layer_index(layer): self._on_layer_output(index, output)))
+                    lambda _m, _i, output, index=index: self._on_layer_output(index, output)))
 
     def remove(self):
         for handle in self.handles:

@@ -196,7 +196,7 @@ class PerturbationSet:
     # -- storage ------------------------------------------------------------------------------
     def _storage_parameters(self, p):
         """(global name, parameter) pairs this storage perturbation touches on this rank."""
-        for chunk, model in zip(self.chunks, self.models):
+        for _chunk, model in zip(self.chunks, self.models):
             names = _global_names(model)
             for name, param in model.named_parameters():
                 global_name = names[name]

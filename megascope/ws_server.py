@@ -48,6 +48,7 @@ from megatron.training.errors import UserError
 log = logging.getLogger("megascope.ws")
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 GOODBYE_SECONDS = 5  # at stop with a reason: how long the queued messages may take to reach the clients
+_DEFAULT_LIMITS = Limits()  # frozen: one shared default instance
 _LOCAL_ORIGIN = re.compile(r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?")
 
 
@@ -154,7 +155,7 @@ class WebSocketServer:
     token; without one a token is generated and printed. ``flags``: the command-line flags that chose host
     and port, named when they cannot be bound."""
 
-    def __init__(self, session, host="127.0.0.1", port=5001, token=None, limits=Limits(), origins=(),
+    def __init__(self, session, host="127.0.0.1", port=5001, token=None, limits=_DEFAULT_LIMITS, origins=(),
                  flags="--ws-host/--ws-port"):
         self.session = session
         self.flags = flags

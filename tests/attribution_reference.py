@@ -59,7 +59,8 @@ def reference_parts(model, tokens, chosen):
         projection = layer.self_attention.linear_proj
         (context,), (out, bias) = vectors[f"proj{layer.layer_number}"]
         context = context[-1]
-        per_head = [context[:, h * head_dim:(h + 1) * head_dim] @ projection.weight[:, h * head_dim:(h + 1) * head_dim].T
+        per_head = [context[:, h * head_dim:(h + 1) * head_dim]
+                    @ projection.weight[:, h * head_dim:(h + 1) * head_dim].T
                     for h in range(config.num_attention_heads)]
         assert torch.allclose(sum(per_head), out[-1], rtol=0, atol=1e-12)  # the heads tile the projection
         heads.append(torch.stack([through_norm(vector) for vector in per_head], dim=-1))
@@ -68,7 +69,8 @@ def reference_parts(model, tokens, chosen):
         mlp.append(through_norm(mlp_out[-1] + mlp_bias))
         total = total + out[-1] + bias + mlp_out[-1] + mlp_bias
     assert torch.allclose(total, residual, rtol=0, atol=1e-10), "the components do not add up to the residual"
-    return {"embed": through_norm(vectors["embed"][1][-1]), "heads": torch.stack(heads), "attn_bias": torch.stack(attn_bias),
+    return {"embed": through_norm(vectors["embed"][1][-1]), "heads": torch.stack(heads),
+            "attn_bias": torch.stack(attn_bias),
             "mlp": torch.stack(mlp), "final_norm_bias": (norm.bias * rows).sum(-1) if layer_norm else torch.zeros(2),
             "logit": logits[:, -1].gather(-1, chosen[:, None]).squeeze(-1)}
 

@@ -24,7 +24,8 @@ TINY_MODEL_FLAGS = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
     "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--use-cpu-initialization", "--device", "cpu",
-    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64", "--lr", "1e-3", "--train-iters", "1",
+    "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--make-vocab-size-divisible-by", "64", "--lr", "1e-3",
+    "--train-iters", "1",
     "--mock-data",
 ]
 

@@ -19,8 +19,8 @@ def readme_commands(heading):
 
 def as_launched(command, replacements):
     """``command`` with ``python`` as this interpreter, ``torchrun`` as its module on a free rendezvous port
-    (tests run side by side: --standalone or one chosen here), and each flag in ``replacements`` ({flag: value}) given that value; a flag it
-    lacks is refused."""
+    (tests run side by side: --standalone or one chosen here), and each flag in ``replacements``
+    ({flag: value}) given that value; a flag it lacks is refused."""
     command = list(command)
     for flag, value in replacements.items():
         assert flag in command, f"README's command has no {flag}: {command}"

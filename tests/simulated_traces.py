@@ -134,7 +134,8 @@ def simulate(scenario, directory):
     os.makedirs(directory, exist_ok=True)
     rng = random.Random(scenario.seed)
     layout = scenario.layout
-    hang = scenario.hang and (scenario.hang[0], scenario.hang[1], hang_step(layout, scenario.hang[0], *scenario.hang[2:]))
+    hang = scenario.hang and (scenario.hang[0], scenario.hang[1],
+                              hang_step(layout, scenario.hang[0], *scenario.hang[2:]))
     faults = Faults(compute_speeds(layout.world_size, scenario.speed_spread, scenario.culprits, rng),
                     dict(scenario.slow_links), hang, scenario.host_cost, dict(scenario.host_slow))
     clock = HostClocks(scenario, rng)
@@ -179,9 +180,11 @@ def _metadata(scenario, rank):
             "layout": {"dp": layout.dp, "pp": layout.pp, "tp": layout.tp, "vp": 1, "sequence_parallel": False,
                        "distributed_optimizer": False, "micro_batch_size": 1,
                        "global_batch_size": layout.microbatches * layout.dp, "num_microbatches": layout.microbatches},
-            "host": f"node-{rank // scenario.gpus_per_host}", "device": "cuda", "device_index": rank % scenario.gpus_per_host,
+            "host": f"node-{rank // scenario.gpus_per_host}", "device": "cuda",
+            "device_index": rank % scenario.gpus_per_host,
             "device_name": "NVIDIA H200", "timer": "cuda_event", "granularity": "full",
-            "trace_interval": TRACE_INTERVAL, "continuous_trace_iterations": len(scenario.windows[0]), "train_iters": 10_000}
+            "trace_interval": TRACE_INTERVAL, "continuous_trace_iterations": len(scenario.windows[0]),
+            "train_iters": 10_000}
 
 
 def _window_line(clock, rank, window, iterations, record, table):
@@ -189,7 +192,8 @@ def _window_line(clock, rank, window, iterations, record, table):
         return round(clock.local(rank, window, t), 3)
 
     events = [{"name": name, "cat": "compute", "iteration": iteration, "microbatch": microbatch,
-               "chunk": None if microbatch is None else 0, "layer": layer, "start_us": local(start), "end_us": local(end)}
+               "chunk": None if microbatch is None else 0, "layer": layer, "start_us": local(start),
+               "end_us": local(end)}
               for name, iteration, microbatch, layer, start, end in record.events]
     ops = [{**{k: v for k, v in op.items() if k not in ("start", "end", "host")}, "start_us": local(op["start"]),
             "end_us": local(op["end"]), "host_us": round(clock.wall(rank, op["host"]), 1)} for op in record.ops]
@@ -203,5 +207,6 @@ def _issued_lines(clock, rank, window, iteration, ops, table):
     issued = [{**{k: v for k, v in op.items() if k not in ("start", "end", "host")},
                "host_us": round(clock.wall(rank, op["start"] - 20.0), 1)} for op in ops]
     half = len(issued) // 2
-    return [{"type": "issued", "window": window, "iteration": iteration, "groups": window_groups(table, part), "ops": part}
+    return [{"type": "issued", "window": window, "iteration": iteration, "groups": window_groups(table, part),
+             "ops": part}
             for part in (issued[:half], issued[half:]) if part]

@@ -177,7 +177,7 @@ def test_chrome_trace_lists_ranks_in_layout_order_with_the_same_tracks_as_perfet
         "DP0-PP0-TP0 (rank 0)", "DP0-PP0-TP1 (rank 1)", "DP0-PP1-TP0 (rank 4)", "DP0-PP1-TP1 (rank 5)",
         "DP1-PP0-TP0 (rank 2)", "DP1-PP0-TP1 (rank 3)", "DP1-PP1-TP0 (rank 6)", "DP1-PP1-TP1 (rank 7)"]
     tracks = {}
-    for tid, name in sorted(threads.items()):
+    for _tid, name in sorted(threads.items()):
         rank_label, track = name.split(") ", 1)
         tracks.setdefault(rank_label, []).append(track)
     assert all(names == ["compute", "compute (depth 1)", "compute (depth 2)", "collectives", "p2p"]

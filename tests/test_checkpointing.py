@@ -50,7 +50,8 @@ def test_checkpoint_saved_at_tp2_resumes_at_pp2_with_uninterrupted_losses(gpt_da
     losses = lm_losses(resumed.stdout)
     assert sorted(losses) == [4, 5, 6]
     for iteration in (4, 5, 6):
-        assert losses[iteration] == pytest.approx(uninterrupted[iteration], rel=1e-3), (iteration, losses, uninterrupted)
+        assert losses[iteration] == pytest.approx(uninterrupted[iteration], rel=1e-3), \
+            (iteration, losses, uninterrupted)
 
 
 def test_distributed_optimizer_checkpoint_in_bf16_resumes_at_another_layout(gpt_data, tmp_path):
@@ -71,7 +72,8 @@ def test_checkpoint_with_a_truncated_shard_is_one_line_naming_the_file_and_the_i
     size = shard.stat().st_size
     with open(shard, "r+b") as damaged:  # as a full disk or an interrupted copy leaves it
         damaged.truncate(size // 2)
-    result = run_script("pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + ["--train-iters", "4", "--load", tmp_path])
+    result = run_script("pretrain_gpt.py",
+                        TINY_GPT + gpt_data_args(gpt_data) + ["--train-iters", "4", "--load", tmp_path])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"pretrain_gpt.py: error: --load: checkpoint {tmp_path}/iter_0000003 is damaged: {shard} is cut short "
@@ -128,7 +130,8 @@ def _validated(flags, world_size=1):
 
 
 def _workers(launcher):
-    return [p for p in psutil.Process(launcher.pid).children(recursive=True) if "pretrain_gpt.py" in " ".join(p.cmdline())]
+    return [p for p in psutil.Process(launcher.pid).children(recursive=True)
+            if "pretrain_gpt.py" in " ".join(p.cmdline())]
 
 
 def test_one_job_writes_a_save_dir_and_a_failed_save_keeps_the_previous_checkpoint(gpt_data, tmp_path):

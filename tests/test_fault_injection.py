@@ -26,7 +26,8 @@ echo "$*" >> "$FAKE_NVIDIA_SMI_LOG"
 case "$*" in
     *--query-gpu=index\ *) echo 0; echo 1 ;;
     *--query-gpu=clocks.max.sm\ *) echo 1980 ;;
-    *--format=csv,noheader) echo "2026/11/22 05:00:01.000, 1, 900 MHz, 1980 MHz, 310.50 W, 61, 100 %, 0x0000000000000000" ;;
+    *--format=csv,noheader)
+                   echo "2026/11/22 05:00:01.000, 1, 900 MHz, 1980 MHz, 310.50 W, 61, 100 %, 0x0000000000000000" ;;
     *--format=csv) echo "timestamp, index, clocks.current.sm [MHz], ..."
                    echo "2026/11/22 05:00:00.000, 1, 900 MHz, 1980 MHz, 310.50 W, 61, 100 %, 0x0000000000000000" ;;
 esac

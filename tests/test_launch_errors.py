@@ -67,9 +67,11 @@ CASES = {
         "/nonexistent/vocab.json"),
     "warm-up longer than the decay": (
         MOCK + ["--lr-warmup-iters", "5"], {}, "the warm-up (5 iterations) must end before the decay does"),
-    "online detection without tracing": (MOCK + ["--trace-detect"], {}, "--trace-detect judges the trace windows: add --trace"),
+    "online detection without tracing": (
+        MOCK + ["--trace-detect"], {}, "--trace-detect judges the trace windows: add --trace"),
     "online detection hook that cannot be imported": (
-        MOCK + ["--trace", "--trace-interval", "3", "--trace-detect", "--trace-detect-hook", "no_such_module:alert"], {},
+        MOCK + ["--trace", "--trace-interval", "3", "--trace-detect", "--trace-detect-hook", "no_such_module:alert"],
+        {},
         "--trace-detect-hook no_such_module:alert: No module named 'no_such_module'"),
     "transformer engine not installed": (
         MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),

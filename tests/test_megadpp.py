@@ -91,7 +91,8 @@ def test_prediction_matches_the_measured_static_time_and_models_the_job():
 def test_fault_injection_draws_agree_across_processes():
     """A slow link's delays are drawn by the sender under a static schedule and by the receiver under DPP:
     every process must draw the same, whatever its str hash seed."""
-    code = "from megadpp.fault_injection import _Draws; print([_Draws(7)(1, 'F', c, m) for c in (0, 1) for m in range(4)])"
+    code = ("from megadpp.fault_injection import _Draws; "
+            "print([_Draws(7)(1, 'F', c, m) for c in (0, 1) for m in range(4)])")
     outputs = {subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONHASHSEED": seed}, check=True,
                               capture_output=True, text=True, timeout=300).stdout for seed in ("1", "2")}
     assert len(outputs) == 1, outputs

@@ -2,8 +2,9 @@
 10 iterations equal those of 1F1B / interleaved 1F1B, for GPT and BERT, at PP4, PP2 x TP2 with sequence
 parallelism and a virtual pipeline, PP2 x DP2 with the distributed optimizer (overlapped reduce and gather)
 and a virtual pipeline, and BERT at PP2; both policies, and an activation cap of 1 that forces orders
-1F1B never runs. At PP4 stage 1's link is also slowed (--dpp-delay-link), for the static schedule too. Every DPP transfer arrives with a random delay (--dpp-jitter-ms, a different seed per
-launch), so the runs also check that no order of arrivals deadlocks the schedule.
+1F1B never runs. At PP4 stage 1's link is also slowed (--dpp-delay-link), for the static schedule too.
+Every DPP transfer arrives with a random delay (--dpp-jitter-ms, a different seed per launch), so the runs
+also check that no order of arrivals deadlocks the schedule.
 
 One torchrun launch per layout runs all its schedules from the same start (tests/dpp_equivalence_entry.py).
 """
@@ -31,7 +32,8 @@ LAUNCHES = {
         4, "pretrain_gpt", "depth-first,breadth-first:1",
         ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
          "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather", "--seed", "13"]),
-    "bert_pp2": (2, "pretrain_bert", "depth-first,breadth-first", ["--pipeline-model-parallel-size", "2", "--seed", "14"]),
+    "bert_pp2": (2, "pretrain_bert", "depth-first,breadth-first",
+                 ["--pipeline-model-parallel-size", "2", "--seed", "14"]),
 }
 
 

@@ -62,8 +62,8 @@ def test_too_little_dev_shm_is_one_line_naming_the_size_needed():
     lines = [line for line in result.stderr.splitlines() if "megadpp transport: /dev/shm has" in line]
     assert lines, result.stderr[-3000:]
     needed = segment_bytes(8, 1 << 20)  # one peer: one outgoing channel of 8 slots of 1 MiB
-    assert f"/dev/shm has 1048576 bytes free (capped at 1048576 bytes) but the 1 channel(s) of this rank need {needed} bytes" \
-        in lines[0]
+    assert (f"/dev/shm has 1048576 bytes free (capped at 1048576 bytes) but the 1 channel(s) of this rank "
+            f"need {needed} bytes") in lines[0]
     assert "exitcode  : 2" in result.stderr  # a user error: exit_on_user_error's code, no traceback
     assert "megadpp/transport/" not in result.stderr  # no stack through the transport (torchrun prints its own)
 

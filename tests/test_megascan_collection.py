@@ -57,7 +57,7 @@ def test_layer_halves_share_their_boundaries(gpt_data, tmp_path):
         layers = sorted({layer for (_, _, _, layer) in events if layer is not None})
         assert len(layers) == 2 and len(window["events"]) == len(events)
         for microbatch in range(2):
-            def half(name, layer, key):
+            def half(name, layer, key, events=events, microbatch=microbatch):
                 return events[(3, microbatch, name, layer)][key]
             forward, backward = (events[(3, microbatch, name, None)] for name in ("forward", "backward"))
             first, second = layers

@@ -34,7 +34,8 @@ def tmp_root(tmp_path_factory):
 def test_every_layout_attributes_like_one_rank(layout, reference, tmp_root):
     got, want = saved(layout, tmp_root)["attribution"], saved(reference, tmp_root)["attribution"]
     assert [(a.prompt_index, a.position, a.token_id) for a in got] == [(0, PROMPT_TOKENS, 7), (1, PROMPT_TOKENS, 42)]
-    logits = next(r for r in saved(reference, tmp_root)["capture"]["full"] if r.hook == "logits" and r.prompt_index == 0)
+    logits = next(r for r in saved(reference, tmp_root)["capture"]["full"]
+                  if r.hook == "logits" and r.prompt_index == 0)
     for ours, one_rank in zip(got, want):
         assert ours.values.shape == (4, 4 + 1)  # layers x (heads, MLP)
         torch.testing.assert_close(ours.values, one_rank.values, atol=1e-4, rtol=1e-4)

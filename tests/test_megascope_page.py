@@ -20,8 +20,9 @@ PAGE = REPO / "tools" / "visualization" / "transformer-visualize"
 NPM = shutil.which("npm")
 NODE = shutil.which("node")
 
-pytestmark = pytest.mark.skipif(not (NPM and NODE), reason="Node.js and npm are not installed: the page's tests need them "
-                                                          "(Node 20 and npm; e.g. apt-get install nodejs npm)")
+pytestmark = pytest.mark.skipif(not (NPM and NODE),
+                                reason="Node.js and npm are not installed: the page's tests need them "
+                                       "(Node 20 and npm; e.g. apt-get install nodejs npm)")
 
 
 def run_in_page(*command, env=None, timeout=600):
@@ -30,7 +31,8 @@ def run_in_page(*command, env=None, timeout=600):
     if os.environ.get("MEGASCOPE_SCREENSHOTS"):  # a folder named from where pytest runs, not from the page's
         env["MEGASCOPE_SCREENSHOTS"] = os.path.abspath(os.environ["MEGASCOPE_SCREENSHOTS"])
     done = subprocess.run(command, cwd=PAGE, env=child_env(env), capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
+    assert done.returncode == 0, \
+        f"{' '.join(command)} exited {done.returncode}:\n{done.stdout[-6000:]}\n{done.stderr[-6000:]}"
     return done.stdout
 
 
@@ -53,7 +55,8 @@ def chromium():
     path = os.environ.get("CHROMIUM") or shutil.which("chromium")
     if not path and os.geteuid() == 0 and shutil.which("apt-get"):
         for command in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
-            subprocess.run(command, check=True, capture_output=True, env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
+            subprocess.run(command, check=True, capture_output=True,
+                           env=dict(os.environ, DEBIAN_FRONTEND="noninteractive"))
         path = shutil.which("chromium")
     assert path, "Chromium is missing: apt-get install -y chromium (as root), or set CHROMIUM to its executable"
     return path
@@ -86,10 +89,10 @@ def start_training(save_dir):
     (--training-ws-wait); returns (job, ws URL, output lines)."""
     port = free_port()
     args = [*TINY_GPT, "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "128",
-            "--train-iters", "100000", "--lr-decay-iters", "100000", "--save", str(save_dir), "--save-interval", "100000",
-            "--training-ws-port", str(port), "--training-ws-wait"]
-    job = subprocess.Popen(torchrun_command(1, "pretrain_gpt.py", args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.STDOUT, text=True)
+            "--train-iters", "100000", "--lr-decay-iters", "100000", "--save", str(save_dir),
+            "--save-interval", "100000", "--training-ws-port", str(port), "--training-ws-wait"]
+    job = subprocess.Popen(torchrun_command(1, "pretrain_gpt.py", args), cwd=REPO, env=child_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines, listening = [], threading.Event()
 
     def read():

@@ -56,7 +56,8 @@ def test_zero_and_mean_ablations_write_what_they_say(tmp_root):
     plain, zero, mean = phases["plain"], phases["zero"], phases["mean"]
     for row in (0, 1):
         out = zero[("mlp.out", 2, row)]
-        assert torch.equal(out[3:8], torch.zeros_like(out[3:8])) and torch.equal(out[:3], plain[("mlp.out", 2, row)][:3])
+        assert torch.equal(out[3:8], torch.zeros_like(out[3:8]))
+        assert torch.equal(out[:3], plain[("mlp.out", 2, row)][:3])
         assert not torch.allclose(zero[("logits", None, row)][3:], plain[("logits", None, row)][3:], atol=1e-3)
     # the mean over both prompts, written into the prompts named: the embedding of prompt 1 at position 0 ...
     embed = [plain[("embed", None, row)] for row in (0, 1)]

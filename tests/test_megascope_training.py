@@ -134,7 +134,8 @@ def test_pause_step_resume_stop_capture_and_perturb_between_iterations(tmp_path)
         frames = [m for m in third if isinstance(m, bytes)]
         headers = [json.loads(frame[8:8 + int.from_bytes(frame[4:8], "little")]) for frame in frames]
         assert sorted(h["hook"] for h in headers) == [f"blocks.{layer}.resid_post" for layer in range(4)]
-        assert all(h["step"] == 3 and h["prompt_index"] == 3 and h["shape"] == [32, 4] for h in headers), json.dumps(headers[0])
+        assert all(h["step"] == 3 and h["prompt_index"] == 3 and h["shape"] == [32, 4] for h in headers), \
+            json.dumps(headers[0])
         job.send({"type": "train", "action": "resume", "id": "r"})
         running = job.until(lambda m: m["type"] == "iteration")
         assert [(m["id"], m["iteration"]) for m in running if isinstance(m, dict) and m["type"] == "training_state"] \

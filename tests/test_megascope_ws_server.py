@@ -73,7 +73,8 @@ def test_errors_keep_the_connection_usable():
             assert welcome["type"] == "welcome" and welcome["id"] == 7 and welcome["limits"]["max_prompts"] == 16
             # (frame, code, field, id): every error frame echoes a valid id the frame carried, also when the
             # frame itself failed validation; an invalid id is not echoed
-            cases = [("{oops", "bad_json", None, None), ('{"type": "teleport", "id": "t"}', "unknown_type", "type", "t"),
+            cases = [("{oops", "bad_json", None, None),
+                     ('{"type": "teleport", "id": "t"}', "unknown_type", "type", "t"),
                      ('{"type": "generate", "id": 3, "prompts": "hi"}', "bad_field", "prompts", 3),
                      ('{"type": "generate", "id": "g", "prompts": ["hi"], "top_k": 2, "top_p": 0.5}', "bad_field",
                       "top_p", "g"),

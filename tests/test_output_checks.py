@@ -38,7 +38,8 @@ def a_file(tmp_path):
 
 @pytest.mark.parametrize("flags, expected", [
     (["--save", "{file}"], "--save {file} is a file; give a directory you can write to"),
-    (["--save", "{file}/ckpt"], "--save {file}/ckpt is under {file}, which is a file; give a directory you can write to"),
+    (["--save", "{file}/ckpt"],
+     "--save {file}/ckpt is under {file}, which is a file; give a directory you can write to"),
     (["--save", f"{READ_ONLY_DIR}/ckpt"], (f"--save {READ_ONLY_DIR}/ckpt cannot be written: creating a file in "
                                            f"{READ_ONLY_DIR} fails (Permission denied); give a directory you can "
                                            f"write to")),

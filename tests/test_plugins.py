@@ -45,7 +45,8 @@ def test_unknown_plugin_module_is_one_line():
 def test_a_run_that_fails_with_loader_workers_alive_exits(gpt_data):
     # Loader workers ignore SIGTERM; without care, exiting on an exception waits for them forever.
     env = {"MEGATRON_PLUGINS": "failing_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
-    flags = TINY_GPT + gpt_data_args(gpt_data) + ["--train-iters", "5", "--num-workers", "2", "--fail-at-iteration", "2"]
+    flags = TINY_GPT + gpt_data_args(gpt_data) + ["--train-iters", "5", "--num-workers", "2",
+                                                  "--fail-at-iteration", "2"]
     result = run_script("pretrain_gpt.py", flags, env=env, timeout=90)
     assert result.returncode == 1
     assert result.stderr.rstrip().endswith("RuntimeError: failing_plugin: failed at iteration 2"), result.stderr[-2000:]

@@ -90,7 +90,8 @@ def test_rest_refuses_each_bad_field_by_name(server, body, field):
     status, answer = server.put(body)
     assert status == 400 and answer["field"] == field, answer
     assert server.put(b"{not json")[0] == 400
-    assert server.put(b"[" * 100_000 + b"]" * 100_000) == (400, {"error": "the body nests arrays or objects too deeply"})
+    assert server.put(b"[" * 100_000 + b"]" * 100_000) == (
+        400, {"error": "the body nests arrays or objects too deeply"})
 
 
 def test_websocket_errors_and_the_server_goes_on(server):
@@ -193,7 +194,8 @@ def test_capture_streams_data_frames_and_counts_what_it_dropped(server):
     reported = sum(message["frames"] for message in messages if message["type"] == "dropped")
     assert len(frames) + done["dropped_frames"] == expected and reported == done["dropped_frames"]
     for header, values in frames:
-        assert header["layer"] in (1, 2) and header["hook"] == f"blocks.{header['layer']}.{header['hook'].split('.', 2)[2]}"
+        assert header["layer"] in (1, 2)
+        assert header["hook"] == f"blocks.{header['layer']}.{header['hook'].split('.', 2)[2]}"
         start, end = header["tokens"]
         if header["hook"].endswith("attn.pattern"):
             assert values.shape == (end - start, 4, end) and np.allclose(values.sum(-1), 1, atol=1e-2)
@@ -310,7 +312,8 @@ def test_attribution_streams_the_parts_of_each_generated_tokens_logit(server):
             chosen[(message["step"], token["prompt_index"])] = (token["token_id"], position[token["prompt_index"]])
             position[token["prompt_index"]] += 1
     # one frame per generated token (the fixture's small send queue may drop some: they are counted)
-    assert len(chosen) == 12 and len(frames) + messages[-1]["dropped_frames"] == len(chosen) and frames.keys() <= chosen.keys()
+    assert len(chosen) == 12 and len(frames) + messages[-1]["dropped_frames"] == len(chosen)
+    assert frames.keys() <= chosen.keys()
     for key, (header, values) in frames.items():
         token_id, at = chosen[key]
         assert (header["hook"], header["token_id"], header["tokens"], header["dtype"]) == \
@@ -365,8 +368,9 @@ def test_set_capture_during_a_generation_applies_from_the_next_steps(server):
             return first, replies
     first, replies = run(client())
     frames = [decode_data_frame(reply)[0] for reply in replies if isinstance(reply, bytes)]
+    # every default filled in
     normalised = {"hooks": ["resid_post"], "layers": [0, 1], "tokens": None, "reduction": "norm", "reductions": {},
-                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0, "attribution": False}  # every default filled in
+                  "topk": 5, "logit_lens": False, "pca": None, "sample": 0, "attribution": False}
     assert {"type": "capture_set", "capture": normalised} in replies
     assert frames and all(frame["step"] > first["step"] and frame["reduction"] == "norm" for frame in frames)
 
@@ -688,7 +692,8 @@ def _raw_put(server, head, body=b""):
 def test_a_bad_content_length_is_a_400_naming_it_and_no_traceback(server, length):
     """It used to drop the connection with a ValueError traceback in the log ("-1": read until the client closed)."""
     seen = len(server.lines)
-    status, answer = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {length}", b'{"prompts": ["x"]}')
+    status, answer = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {length}",
+                              b'{"prompts": ["x"]}')
     assert (status, answer) == (400, {"error": f"Content-Length must be the body's size in bytes, not {length!r}"})
     too_large = _raw_put(server, f"PUT /api HTTP/1.1\r\nHost: x\r\nContent-Length: {'9' * 5000}")
     assert too_large == (413, {"error": "the body is over 1048576 bytes"})

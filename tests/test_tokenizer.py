@@ -166,7 +166,8 @@ def test_bad_bert_vocab_and_huggingface_files_raise_one_line(tmp_path):
         (lambda: BertWordPieceTokenizer(no_mask, lower_case=True), ["vocab.txt", "'[MASK]'"]),
         (lambda: BertWordPieceTokenizer(twice, lower_case=True), ["twice.txt:4", "'hello'", "line 2"]),
         (lambda: HuggingFaceTokenizer(str(tmp_path / "empty_folder")), ["no tokenizer.json"]),
-        (lambda: HuggingFaceTokenizer(_write(tmp_path / "t.json", '{"model": 1}')), ["t.json", "not a valid tokenizer.json"]),
+        (lambda: HuggingFaceTokenizer(_write(tmp_path / "t.json", '{"model": 1}')),
+         ["t.json", "not a valid tokenizer.json"]),
     ]
     for build, words in cases:
         with pytest.raises(TokenizerError) as raised:

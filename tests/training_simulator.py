@@ -50,7 +50,8 @@ class Faults:
     speed: dict  # rank -> time factor of its compute (1.0 nominal; a slow GPU 1.2-1.6)
     slow_links: dict = field(default_factory=dict)  # (src, dst) -> time factor of its transfers
     hang: tuple = None  # (rank, iteration, step index in that iteration's program): it stops before that step
-    host_cost: float = GPU_BOUND_HOST_COST  # host time to issue work, per unit of its nominal GPU time (> 1: host-bound)
+    # host time to issue work, per unit of its nominal GPU time (> 1: host-bound)
+    host_cost: float = GPU_BOUND_HOST_COST
     host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time (a slow host, not a slow GPU)
 
 
@@ -204,7 +205,8 @@ class WindowSimulation:
         del self.pending[key]
         finish = max(pending.arrivals.values()) + cost * (1.0 + abs(self.rng.gauss(0.0, COMM_JITTER)))
         for member in members:
-            pending.records[member]["end"] = self.states[member].time = finish + abs(self.rng.gauss(0.0, FINISH_JITTER_US))
+            pending.records[member]["end"] = self.states[member].time = (
+                finish + abs(self.rng.gauss(0.0, FINISH_JITTER_US)))
             if member != state.rank:
                 self.states[member].pc += 1
                 woken.append(self.states[member])

@@ -60,7 +60,8 @@ def exchange(transport, rank, peers, device="cpu"):
     sends = [transport.isend(t.to(device), p, tag=i) for p in peers for i, t in enumerate(test_tensors(rank))]
     # One tag, many messages: they must arrive in the order sent, interleaved with the tagged ones.
     ordered = {p: [transport.irecv(p, tag=1000) for _ in range(40)] for p in peers}
-    order_sends = [transport.isend(torch.tensor([k, rank], device=device), p, tag=1000) for p in peers for k in range(40)]
+    order_sends = [transport.isend(torch.tensor([k, rank], device=device), p, tag=1000)
+                   for p in peers for k in range(40)]
     for p, i, handle in recvs:
         received[p][i] = handle.wait(timeout=120).cpu()
     for handle in sends + order_sends:
@@ -78,7 +79,7 @@ def gloo_exchange(rank, peers):
     """The same tensors through plain gloo send/recv (shapes known in advance), for comparison."""
     ops, got = [], {}
     for p in peers:
-        for i, t in enumerate(test_tensors(rank)):
+        for t in test_tensors(rank):
             if t.dtype in GLOO_DTYPES and t.numel():
                 ops.append(dist.P2POp(dist.isend, t.contiguous(), p))
         for i, t in enumerate(test_tensors(p)):
@@ -153,7 +154,8 @@ def run_sigkill(rank, out_dir):
         f.write(str(os.getpid()))
     transport = shared_memory_transport(rank, [1 - rank], name="sigkill", **SMALL_RING)
     if rank == 1:
-        handles = [transport.isend(torch.ones(1 << 18), 0, tag=k) for k in range(8)]  # 8 MB into a 256 KiB ring
+        # 8 MB into a 256 KiB ring; the handles are kept referenced until the SIGKILL so the sends stay outstanding
+        _outstanding = [transport.isend(torch.ones(1 << 18), 0, tag=k) for k in range(8)]
         transport.irecv(0, tag=5).wait(timeout=120)  # rank 0 has its channels: both rings are in use
         print("rank 1: killing myself with sends outstanding", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

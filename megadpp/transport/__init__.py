@@ -38,6 +38,7 @@ from megadpp.transport.factories import (
 from megadpp.transport.native import TransportSetupError  # loads csrc/'s extension; says if CUDA IPC is missing
 
 __all__ = [
-    "Handle", "Transport", "TransferEvent", "TransportSetupError", "create_transport", "cuda_ipc_available", "cuda_ipc_transport",
+    "Handle", "Transport", "TransferEvent", "TransportSetupError", "create_transport", "cuda_ipc_available",
+    "cuda_ipc_transport",
     "distributed_transport", "shared_memory_transport",
 ]

@@ -35,6 +35,6 @@ def check_shm_room(needed, channels, limit=None):
     if needed > room:
         limit_note = "" if limit is None else f" (capped at {limit} bytes)"
         raise TransportSetupError(
-            f"megadpp transport: {SHM_DIR} has {room} bytes free{limit_note} but the {channels} channel(s) of this rank "
-            f"need {needed} bytes ({-(-needed // 2**20)} MiB); enlarge it (e.g. docker run --shm-size="
+            f"megadpp transport: {SHM_DIR} has {room} bytes free{limit_note} but the {channels} channel(s) of this "
+            f"rank need {needed} bytes ({-(-needed // 2**20)} MiB); enlarge it (e.g. docker run --shm-size="
             f"{-(-needed * 8 // 2**30)}g for 8 ranks) or lower the transport's slots / slot bytes")

@@ -32,7 +32,8 @@ def _finished_by_all(instance):
 def _alignment_input(instances):
     """({instance id: {rank: local finish}}, {instance id: trace window}) of the instances finished by all."""
     finished = [instance for instance in instances if _finished_by_all(instance)]
-    return ({instance.id: {rank: record["end_us"] for rank, record in instance.records.items()} for instance in finished},
+    return ({instance.id: {rank: record["end_us"] for rank, record in instance.records.items()}
+             for instance in finished},
             {instance.id: next(iter(instance.records.values())).get("window") for instance in finished})
 
 

@@ -89,8 +89,8 @@ def totals_by_rank(merged):
     waits = _tp_waits_by_rank(merged)
     layers_traced = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
     intervals = {rank: list(zip(w[0].tolist(), w[1].tolist())) for rank, w in waits.items() if w is not None}
-    return {rank: operation_totals(trace.events, intervals.get(rank, []), trace.metadata.get("instance_kind", "training"),
-                                   trace.coords["pp"], layers_traced)
+    return {rank: operation_totals(trace.events, intervals.get(rank, []),
+                                   trace.metadata.get("instance_kind", "training"), trace.coords["pp"], layers_traced)
             for rank, trace in merged.ranks.items()}
 
 

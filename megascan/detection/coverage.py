@@ -20,5 +20,6 @@ def unjudged_ranks(merged):
                 for rank, why in sorted(merged.unaligned.items())]
     for rank, lacking in sorted(_cut_short(merged).items()):
         entries.append({"who": f"rank {rank} ({coords_name(merged.ranks[rank].coords)})",
-                        "why": f"its trace ends early (cut off): no verdict on it for {describe(lacking, 'iteration')}"})
+                        "why": f"its trace ends early (cut off): no verdict on it for "
+                               f"{describe(lacking, 'iteration')}"})
     return entries

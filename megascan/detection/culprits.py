@@ -124,7 +124,8 @@ def find_culprits(merged, attribution, compute, groups, nvml):
     threshold = {rank: SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]) for rank, trace in merged.ranks.items()}
     slow = {rank: delay for rank, delay in attribution.ranks.items()
             if _slowness(rank, compute, delay) >= threshold[rank] and not delay.host_side}
-    floors = {rank: max(MIN_CAUSED_SHARE * path, attribution.noise.floor_us(attribution.iterations, delay.caused_records))
+    floors = {rank: max(MIN_CAUSED_SHARE * path,
+                        attribution.noise.floor_us(attribution.iterations, delay.caused_records))
               for rank, delay in attribution.ranks.items()}
     kinds = {rank: kind for rank, delay in attribution.ranks.items() if delay.caused_us >= floors[rank]
              and (kind := _classify(rank, delay, compute, threshold[rank], floors[rank]))}
@@ -159,7 +160,8 @@ def find_victims(merged, waits, culprits, path_us):
     traced iterations (ranks further along wait for those victims, and everyone waits in pipeline bubbles)."""
     victims = []
     for rank, per_rank in sorted(waits.items()):
-        for_culprits = {other: us for other, us in per_rank.items() if other in culprits and us >= MIN_CAUSED_SHARE * path_us}
+        for_culprits = {other: us for other, us in per_rank.items()
+                        if other in culprits and us >= MIN_CAUSED_SHARE * path_us}
         if rank in culprits or not for_culprits:
             continue
         victims.append({"rank": rank, "coords": merged.ranks[rank].coords, "waited_us": sum(for_culprits.values()),

@@ -63,7 +63,8 @@ class PromptEncoder:
                 try:
                     ids = self.tokenizer.tokenize_plain(self.chat_template(prompt))
                 except TemplateError as error:
-                    raise ProtocolError("bad_field", f"the chat template failed on this prompt ({error})", "chat")
+                    raise ProtocolError("bad_field", f"the chat template failed on this prompt ({error})",
+                                        "chat") from error
             else:
                 ids = self.tokenizer.tokenize(prompt)
             if request["add_BOS"]:

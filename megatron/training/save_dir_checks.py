@@ -68,9 +68,9 @@ def short_of_space_warning(save_dir: str, needed_bytes: int) -> str | None:
     free = shutil.disk_usage(nearest_existing(save_dir)).free
     if free >= needed_bytes:
         return None
-    return (f"warning: --save {save_dir}: {_gigabytes(free)} free on its disk, less than the {_gigabytes(needed_bytes)} "
-            f"one checkpoint of this model needs (estimated); a save that fills the disk fails and the previous "
-            f"checkpoint stays the latest: free space or give another --save")
+    return (f"warning: --save {save_dir}: {_gigabytes(free)} free on its disk, less than the "
+            f"{_gigabytes(needed_bytes)} one checkpoint of this model needs (estimated); a save that fills the disk "
+            f"fails and the previous checkpoint stays the latest: free space or give another --save")
 
 
 def _gigabytes(count):

@@ -50,7 +50,8 @@ class TensorBoardLog:
         self.pending.append((iteration, losses, scalars))
 
     def _write_pending(self):
-        loss_tensors = [value.detach().float().reshape(()) for _, losses, _ in self.pending for value in losses.values()]
+        loss_tensors = [value.detach().float().reshape(())
+                        for _, losses, _ in self.pending for value in losses.values()]
         loss_values = iter(torch.stack(loss_tensors).tolist() if loss_tensors else [])  # the one transfer
         writer = self._writer()
         for iteration, losses, scalars in self.pending:

@@ -113,7 +113,8 @@ def convert(options):
     dtype = torch.bfloat16 if options.bf16 else torch.float16 if options.fp16 else torch.float32
     with written_atomically(options.save_dir) as work_dir:
         core_layout.start_single_process_group()
-        templates = core_layout.checkpoint_templates(core_layout.model_args(shape.megatron_flags(), padded_vocab_size, []))
+        templates = core_layout.checkpoint_templates(
+            core_layout.model_args(shape.megatron_flags(), padded_vocab_size, []))
         writer = ShardWriter(work_dir, options.max_shard_size_gb * 1e9)
 
         def load_one(key):  # read right before it is written: the model is never held whole
