@@ -40,7 +40,8 @@ def install_tools() -> None:
     if not missing:
         return
     if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"container test: {', '.join(missing)} missing and cannot be installed here (needs root and apt-get)")
+        pytest.skip(f"container test: {', '.join(missing)} missing and cannot be installed here "
+                    "(needs root and apt-get)")
     wait_for_lock = ["-o", "DPkg::Lock::Timeout=300"]  # another apt-get on the machine finishes first
     for command in (["apt-get", *wait_for_lock, "update", "-q"],
                     ["apt-get", *wait_for_lock, "install", "-y", "-q", *missing]):
