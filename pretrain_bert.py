@@ -4,6 +4,9 @@ Data: tools/preprocess_data.py with --split-sentences and a WordPiece vocabulary
 document holds its sentences (the sentence-order objective needs them).
 """
 
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
+
+# isort: split
 import functools
 import sys
 
@@ -14,7 +17,6 @@ from megatron.core.models.bert.bert_layer_specs import bert_layer_local_spec
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 from megatron.training.core_configs import language_model_kwargs, transformer_config
 from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import ArgumentError, exit_on_user_error

@@ -1,5 +1,8 @@
 """Pretrain a GPT model: torchrun --nproc_per_node N pretrain_gpt.py <Megatron-LM flags>."""
 
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
+
+# isort: split
 import functools
 import sys
 
@@ -11,7 +14,6 @@ from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_with_transformer_engine_spec,
 )
 
-import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 from megatron.training.core_configs import language_model_kwargs, transformer_config
 from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import exit_on_user_error

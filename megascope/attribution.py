@@ -33,7 +33,7 @@ from megascope.distributed import (
     broadcast_from_last_stage,
     gather_objects,
 )
-from megascope.hooks import global_layer_index, unwrap_model
+from megascope.hooks import ModuleHooks, global_layer_index, unwrap_model
 from megascope.logit_lens import output_weight
 from megascope.wire import encode_data_frame
 
@@ -109,15 +109,15 @@ def unembedding_rows(model, tokens):
     return rows
 
 
-class Attribution:
+class Attribution(ModuleHooks):
     """Forward hooks that keep what attribution needs at the forward's last position; ``collect`` computes it."""
 
     def __init__(self, model_chunks):
+        super().__init__()
         self.models = [unwrap_model(chunk) for chunk in model_chunks]
         self.config = self.models[0].config
         self.seen = {}
         self.projections = {}  # layer -> its attention's linear_proj
-        self.handles = []
         for model in self.models:
             if model.pre_process:
                 self._after(model.embedding, "embed")
@@ -140,13 +140,8 @@ class Attribution:
             lambda _m, inputs, output: self.seen.__setitem__(
                 key, _last_position(inputs[0] if module_input else output))))
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
+    def remove(self):
+        super().remove()
         self.seen.clear()
 
     def _hidden(self, key):

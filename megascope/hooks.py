@@ -139,12 +139,30 @@ def softmax_scale(config):
     return config.softmax_scale if config.softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
 
-class HookInstaller:
+class ModuleHooks:
+    """Module hooks kept by their handles and removed together (at the end of a ``with`` block)."""
+
+    def __init__(self):
+        self.handles = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.remove()
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class HookInstaller(ModuleHooks):
     """Registers forward hooks that hand (hook name, layer, tensor) to ``store``; remembers the handles."""
 
     def __init__(self, store):
+        super().__init__()
         self.store = store
-        self.handles = []
 
     def _on_output(self, module, name, layer, read):
         self.handles.append(module.register_forward_hook(
@@ -183,8 +201,3 @@ class HookInstaller:
             self._on_output(mlp, "mlp.out", index, _output_with_bias)
         if "resid_post" in names:
             self._on_output(layer, "resid_post", index, _output)
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []

@@ -10,12 +10,13 @@ so every layout reports the same numbers.
 import torch
 from megatron.core import parallel_state
 
-from megascope.hooks import global_layer_index, unwrap_model
+from megascope.hooks import ModuleHooks, global_layer_index, unwrap_model
 from megatron.training.layout_invariant_init import _global_names
 
 
-class LayerStatistics:
+class LayerStatistics(ModuleHooks):
     def __init__(self, model_chunks, num_layers, distributed_optimizer):
+        super().__init__()
         self.models = [unwrap_model(chunk) for chunk in model_chunks]
         self.num_layers = num_layers
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
@@ -23,7 +24,6 @@ class LayerStatistics:
         # A distributed optimizer leaves each data-parallel rank only its shard of every reduced gradient.
         self.grads_known = not distributed_optimizer
         self.activation = {}  # layer -> device tensor (sum of token norms, tokens): no host sync per layer
-        self.handles = []
 
     def install(self):
         for model in self.models:
@@ -31,11 +31,6 @@ class LayerStatistics:
                 index = global_layer_index(layer)
                 self.handles.append(layer.register_forward_hook(
                     lambda _m, _i, output, index=index: self._on_layer_output(index, output)))
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
 
     @torch.no_grad()
     def _on_layer_output(self, index, output):

@@ -25,6 +25,7 @@ from megascope.hooks import (
     FUSED_QKV,
     HIDDEN,
     HOOK_POINTS,
+    ModuleHooks,
     global_layer_index,
     rewrite_output,
     unwrap_model,
@@ -152,11 +153,12 @@ def parse_patches(objs: list, model: dict, num_prompts: int, prefix: str = "patc
     return patches
 
 
-class Patcher:
+class Patcher(ModuleHooks):
     """``with Patcher(model_chunks, patches, start): <one forward reading positions from start>``: forward
     hooks on this rank's chunks that rewrite the patched activations, removed on exit."""
 
     def __init__(self, model_chunks, patches, start):
+        super().__init__()
         self.models = [unwrap_model(chunk) for chunk in model_chunks]
         config = self.models[0].config
         self.start = start
@@ -165,17 +167,8 @@ class Patcher:
         self.sequence_split = config.sequence_parallel and self.tp_size > 1
         self.heads, self.groups = config.num_attention_heads, config.num_query_groups or config.num_attention_heads
         self.head_dim = config.kv_channels
-        self.handles = []
         for patch in patches:
             self._install(patch)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
 
     def _install(self, patch):
         for model in self.models:

@@ -24,7 +24,7 @@ import torch
 from megatron.core import parallel_state
 
 from megascope.errors import ProtocolError, within
-from megascope.hooks import global_layer_index, rewrite_output, unwrap_model
+from megascope.hooks import ModuleHooks, global_layer_index, rewrite_output, unwrap_model
 from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
 
 STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
@@ -164,15 +164,15 @@ def _column_shard(whole):
     return whole.chunk(tp, dim=-1)[parallel_state.get_tensor_model_parallel_rank()]
 
 
-class PerturbationSet:
+class PerturbationSet(ModuleHooks):
     """The active perturbations of this rank's model chunks; every rank of the job holds the same set."""
 
     def __init__(self, model_chunks, args=None):
+        super().__init__()
         self.chunks = list(model_chunks)
         self.models = [unwrap_model(chunk) for chunk in self.chunks]
         self.active = []
         self.originals = {}     # parameter -> its untouched copy (exact restore)
-        self.handles = []
         self.forward_counts = {}
 
     # -- the set ------------------------------------------------------------------------------
@@ -186,9 +186,8 @@ class PerturbationSet:
 
     def clear(self):
         self.restore_storage()
-        for handle in self.handles:
-            handle.remove()
-        self.handles, self.active, self.forward_counts = [], [], {}
+        self.remove()
+        self.active, self.forward_counts = [], {}
 
     def as_json(self):
         return [p.to_json() for p in self.active]

@@ -2,13 +2,15 @@
 do not depend on the layout; a forward through megatron-core's pipeline schedule (forward only); and the
 runs of megascope_run.py that the MegaScope tests share (each layout runs once per test session)."""
 
+import megatron.training  # noqa: F401
+
+# isort: split
 import functools
 import sys
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-import megatron.training  # noqa: F401
 from megascope.capture import Capture
 from megatron.training.arguments import parse_args
 from megatron.training.initialize import initialize_megatron

@@ -15,9 +15,11 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
+
+# isort: split
 from megatron.core import parallel_state  # noqa: E402
 
-import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
 import pretrain_gpt  # noqa: E402
 from megatron.inference.greedy import greedy_generate, logits  # noqa: E402
 from megatron.inference.model_setup import setup_for_generation  # noqa: E402
