@@ -46,8 +46,6 @@ def detect(merged, compute_totals=None):
     suspects += [suspect for suspect in slow if suspect.rank not in hung_ranks]
     alignment = {rank: trace.clock.residual_us for rank, trace in merged.ranks.items() if trace.clock}
     victims = find_victims(merged, waited_for(timelines), {suspect.rank for suspect in suspects}, attribution.path_us)
-    links = link_stats(merged)
-    for link in links:
-        link["critical_path_delay_us"] = attribution.links.get((link["src"], link["dst"]), 0.0)
-    return Report(suspects, victims, links, alignment, unjudged_ranks(merged), blocked_entries(merged, blocked),
+    return Report(suspects, victims, link_stats(merged, attribution), alignment, unjudged_ranks(merged),
+                  blocked_entries(merged, blocked),
                   [entry for entry in host_bound if entry.rank not in hung_ranks])

@@ -18,8 +18,10 @@ from megascan.detection.report import Suspect
 # Own compute this many times what its peers take for the same work. Healthy GPUs of one model agree
 # within a few percent (+-3 % in tests/simulated_traces.py; a healthy H200 pair in docs/benchmarks.md
 # differed by 1.10x with one host lagging), a 1.2x slow GPU measures 1.15x or more against peers up to
-# 3 % faster. CPU processes sharing an oversubscribed host (tests, --device cpu) differ by up to ~1.5x.
-SLOW_RATIO = {"cuda_event": 1.12, "host_clock": 2.0}
+# 3 % faster. CPU processes sharing an oversubscribed host (tests, --device cpu) differ by far more: a
+# healthy rank of an 8-process DP2 x TP2 x PP2 run on 2 cores measured 2.28x its peers over one 2-iteration
+# window (the scheduler's share, not the rank's work); the tests slow a rank 4x.
+SLOW_RATIO = {"cuda_event": 1.12, "host_clock": 3.0}
 # The excess others waited for, as a share of the traced iterations: a healthy GPU's few percent of
 # excess, on the work it happens to be last at, come to under 3 % of an iteration; a 1.2x culprit's
 # to 5 % or more. Below this a rank delayed nobody measurably, however slow.

@@ -2,11 +2,14 @@
 
 The transfer of a matched pair starts when both sides have posted (the later start) and ends
 when the receiver has the data. Links are compared with the median link: one much slower than
-the rest (with at least three links to compare) is flagged.
+the rest (with at least three links to compare) is flagged. A host-timed link (CPU processes) must also
+have delayed the critical path measurably, as a rank must to be named: there a healthy link's few
+transfers can be slow by the scheduler alone, and then they delayed nobody.
 """
 
 from collections import defaultdict
 
+from megascan.detection.culprits import MIN_CAUSED_SHARE
 from megascan.detection.robust import median
 
 # A link under this fraction of the median link's bandwidth is slow. A degraded link (PCIe instead of
@@ -17,7 +20,7 @@ SLOW_LINK_FRACTION = {"cuda_event": 0.25, "host_clock": 0.1}
 MIN_LINKS_TO_COMPARE = 3
 
 
-def link_stats(merged):
+def link_stats(merged, attribution):
     per_link = defaultdict(lambda: {"bytes": 0, "seconds": 0.0, "latencies_us": [], "transfers": 0})
     for instance in merged.instances:
         if instance.kind != "p2p" or instance.missing:
@@ -35,11 +38,13 @@ def link_stats(merged):
     for (src, dst), link in sorted(per_link.items()):
         links.append({"src": src, "dst": dst, "transfers": link["transfers"],
                       "bandwidth_gbps": link["bytes"] / link["seconds"] / 1e9 if link["seconds"] else 0.0,
-                      "median_latency_us": median(link["latencies_us"]), "slow": False})
+                      "median_latency_us": median(link["latencies_us"]), "slow": False,
+                      "critical_path_delay_us": attribution.links.get((src, dst), 0.0)})
     if len(links) >= MIN_LINKS_TO_COMPARE:
         typical = median([link["bandwidth_gbps"] for link in links])
         for link in links:
             timer = merged.ranks[link["dst"]].timer  # the receiver's clock ends the transfer
             fraction = SLOW_LINK_FRACTION.get(timer, SLOW_LINK_FRACTION["cuda_event"])
-            link["slow"] = link["bandwidth_gbps"] < fraction * typical
+            link["slow"] = link["bandwidth_gbps"] < fraction * typical and (
+                timer != "host_clock" or link["critical_path_delay_us"] >= MIN_CAUSED_SHARE * attribution.path_us)
     return links
