@@ -14,7 +14,7 @@ import os
 import secrets
 
 
-def _create_beside(directory, name):
+def create_beside(directory: str, name: str) -> str:
     """A new empty file ``.<name>.<random>.tmp`` in ``directory`` (never an existing one), its path."""
     while True:
         temporary = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
@@ -29,7 +29,7 @@ def _create_beside(directory, name):
 def replaced_on_success(path):
     """Yields a temporary path in ``path``'s directory; renames it to ``path`` if the block succeeds."""
     directory, name = os.path.split(os.path.abspath(path))
-    temporary = _create_beside(directory, name)
+    temporary = create_beside(directory, name)
     try:
         yield temporary
         os.replace(temporary, path)

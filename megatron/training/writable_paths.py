@@ -9,8 +9,8 @@ so a launch refused by a later check leaves nothing behind.
 """
 
 import os
-import secrets
 
+from megatron.training.atomic_file import create_beside
 from megatron.training.errors import UserError
 
 
@@ -24,9 +24,8 @@ def nearest_existing(path: str) -> str:
 
 def _try_creating_a_file_in(directory):
     """None when a new file can be created (and was removed again) in ``directory``, else the OS's reason."""
-    probe = os.path.join(directory, f".write-test-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        probe = create_beside(directory, "write-test")
     except OSError as error:
         return error.strerror or type(error).__name__
     os.remove(probe)
@@ -34,7 +33,7 @@ def _try_creating_a_file_in(directory):
 
 
 def _why_not_writable(directory):
-    """What stops files from being written into ``directory`` (created first if missing), or None."""
+    """What stops files from being written into ``directory`` (or its nearest existing parent), or None."""
     existing = nearest_existing(directory)
     if not os.path.isdir(existing):
         return "is a file" if existing == os.path.abspath(directory) else f"is under {existing}, which is a file"
