@@ -14,7 +14,8 @@ MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
        --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json
        --merge-file datasets/gpt/merges.txt --eval-interval 100000 --eval-iters 0 --log-interval 10)
 declare -A SIZES=([345m]="" [1.3b]="--hidden-size 2048 --seq-length 2048 --max-position-embeddings 2048")
-declare -A LAYOUTS=([dp2]="" [dp2_distopt]="--use-distributed-optimizer"
+declare -A LAYOUTS=([dp2]="" [dp]="" [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
+                    [dp2_distopt]="--use-distributed-optimizer"
                     [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2"
                     [tp2_distopt]="--tensor-model-parallel-size 2 --use-distributed-optimizer"
                     [pp2_distopt]="--pipeline-model-parallel-size 2 --use-distributed-optimizer"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# MegaScan on two GPUs with GPT 345M bf16, or with SIZE=1.3b GPT 1.3B (hidden 2048, sequence 2048:
+# MegaScan on NPROC (2) GPUs with GPT 345M bf16, or with SIZE=1.3b GPT 1.3B (hidden 2048, sequence 2048:
 # large enough that the GPUs, not the host, set the pace) (docs/benchmarks.md):
-#  1. tracing overhead side by side (bench/megascan_overhead.py) at the layouts in OVERHEAD (dp2 tp2 pp2),
+#  1. tracing overhead side by side (bench/megascan_overhead.py) at the layouts in OVERHEAD (dp2 tp2 pp2;
+#     on more GPUs the rest is data parallel: with NPROC=4, "dp" is DP4, "tp2_sp" TP2 x DP2 with sequence
+#     parallelism, "pp2" PP2 x DP2),
 #     ROUNDS rounds each (10), each layout's job stopped after LAYOUT_TIMEOUT seconds (300);
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
@@ -10,10 +12,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
-SIZE=${SIZE:-345m}
+SIZE=${SIZE:-345m} NPROC=${NPROC:-2}
 for name in ${OVERHEAD-dp2 tp2 pp2}; do
-    log=$RESULTS/megascan_overhead_${SIZE}_$name
-    timeout "${LAYOUT_TIMEOUT:-300}" torchrun --nproc_per_node 2 bench/megascan_overhead.py "${MODEL[@]}" \
+    log=$RESULTS/megascan_overhead_${SIZE}_${name}_x$NPROC
+    timeout "${LAYOUT_TIMEOUT:-300}" torchrun --nproc_per_node "$NPROC" bench/megascan_overhead.py "${MODEL[@]}" \
         ${SIZES[$SIZE]} ${LAYOUTS[$name]} --train-iters 1000 --trace --trace-dir "${log}_trace" \
         --trace-interval 5 --continuous-trace-iterations 2 --bench-rounds "${ROUNDS:-10}" \
         --bench-json "$log.json" > "$log.log" 2>&1

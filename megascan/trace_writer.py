@@ -2,9 +2,11 @@
 
 Resolving a window waits for its CUDA events on this thread only, never on the training thread.
 Each line is flushed and fsync'ed whole, so a run that dies keeps every window already written.
-When the open window makes no progress for ``STALL_SECONDS`` (a rank hung in a collective), the
-thread appends what the training thread has issued since, as ``issued`` lines: the evidence a
-hang leaves behind even if the run is killed. Format: docs/megascan_trace_format.md.
+When the open window makes no progress for ``STALL_SECONDS``, or twice the longest window so far
+where that is longer (a rank hung in a collective; a slow healthy window is no stall), the thread
+appends what the training thread has issued since, as ``issued`` lines: the evidence a hang leaves
+behind even if the run is killed; and, where PyTorch's flight recorder is on, writes its buffer
+beside the trace (megascan/flight_recorder_dump.py). Format: docs/megascan_trace_format.md.
 """
 
 import atexit
@@ -15,6 +17,8 @@ import threading
 import time
 
 import torch
+
+from megascan.flight_recorder_dump import dump_flight_recorder
 
 STALL_SECONDS = 5.0
 ROWS_PER_TURN = 64
@@ -64,12 +68,14 @@ class TraceWriter:
         self.queue = queue.Queue()
         self.last_line_at = time.monotonic()
         self.issued_reported = (None, 0)  # (window index, ops of it already written as issued)
+        self.longest_window = 0.0  # seconds from a window's opening to its submission
         self._write_line(metadata)
         self.thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
         self.thread.start()
         atexit.register(self.close)  # a run that stops with an error still writes its closed windows
 
     def submit(self, window, complete):
+        self.longest_window = max(self.longest_window, time.monotonic() - window.opened_at)
         self.queue.put((window, complete))
 
     def drain(self):
@@ -132,7 +138,10 @@ class TraceWriter:
 
     def _report_stalled_window(self):
         window = self.recorder.window
-        if window is None or time.monotonic() - max(window.opened_at, self.last_line_at) < STALL_SECONDS:
+        if window is None:
+            return
+        quiet = time.monotonic() - max(window.opened_at, self.last_line_at)
+        if quiet < max(STALL_SECONDS, 2 * self.longest_window):
             return
         index, reported = self.issued_reported
         if index != window.index:
@@ -143,3 +152,4 @@ class TraceWriter:
             "type": "issued", "window": window.index, "iteration": self.recorder.context.iteration,
             "groups": dict(window.groups),
             "ops": [{**record.issued_fields(), "host_us": round(record.host_us, 1)} for record in new_ops]})
+        dump_flight_recorder(os.path.dirname(self.file.name))

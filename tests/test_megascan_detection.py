@@ -102,26 +102,48 @@ def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
 
 @pytest.mark.parametrize("iteration", [3, 6])  # in the first trace window (nothing to align on), the second
 def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
-    """Rank 1 freezes inside a trace window; its peers block, their writers report what they
-    issued, the job is killed, and the partial traces name rank 1."""
+    """Rank 1 freezes inside a trace window; its peers block, their writers report what they issued
+    and write PyTorch's flight recorder (on through TORCH_FR_BUFFER_SIZE), the job is killed, and the
+    partial traces name rank 1; so does the flight recorder, a second witness: rank 1 left no dump (gloo
+    records no completion, so that is all its dumps can tell; NCCL's: test_megascan_flight_recorder.py)."""
     processes, flags = LAYOUTS["TP2xPP2"]
+    trace = tmp_path / "trace"
     args = (TINY_GPT + gpt_data_args(gpt_data) + flags +
-            ["--train-iters", "6", "--trace", "--trace-dir", str(tmp_path), "--trace-interval", "3",
+            ["--train-iters", "6", "--trace", "--trace-dir", str(trace), "--trace-interval", "3",
              "--inject-hang-rank", "1", "--inject-hang-iteration", str(iteration)])
-    job = subprocess.Popen(torchrun_command(processes, "pretrain_gpt.py", args), cwd=REPO, env=child_env(),
+    job = subprocess.Popen(torchrun_command(processes, "pretrain_gpt.py", args), cwd=REPO,
+                           env=child_env({"TORCH_FR_BUFFER_SIZE": "256"}),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline:  # the three blocked peers write "issued" lines once stalled
-            reported = [f for f in tmp_path.glob("benchmark-data-*.json") if '"type":"issued"' in f.read_text()]
-            if len(reported) == 3:
+        while time.time() < deadline:  # the three blocked peers write "issued" lines and dumps once stalled
+            reported = [f for f in trace.glob("benchmark-data-*.json") if '"type":"issued"' in f.read_text()]
+            if len(reported) == 3 and len(list(trace.glob("flight-recorder-*.pkl"))) == 3:
                 break
             time.sleep(1)
     finally:
         kill_process_tree(job.pid)
         job.wait()
-    survivors = running_with_argument(str(tmp_path))  # every rank has the directory in its flags
+    survivors = running_with_argument(str(trace))  # every rank has the directory in its flags
     assert survivors == [], f"processes of the killed job still running: {survivors}"
-    report = detect(load_and_merge(tmp_path))
+    report = detect(load_and_merge(trace))
     assert [(s.rank, s.kind) for s in report.suspects] == [(1, "hang")], report.to_text()
     assert "never reached" in report.suspects[0].evidence[0]
+    assert sorted(p.name for p in trace.glob("flight-recorder-*.pkl")) == [
+        f"flight-recorder-{rank}.pkl" for rank in (0, 2, 3)]
+    result = subprocess.run([sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(trace), "-d",
+                             "--report-json", str(tmp_path / "report.json")],
+                            capture_output=True, text=True, cwd=REPO, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    second = json.loads((tmp_path / "report.json").read_text())["flight_recorder"]
+    assert second["without_dump"] == [1] and second["hung"] == [1], result.stdout
+    assert sorted(second["last"]) == ["0", "2", "3"] and not second["records_completion"], result.stdout
+    assert "agrees with the traces (hung there: [1])" in result.stdout, result.stdout
+    (tmp_path / "crafted_0").write_bytes(b"cos\nsystem\n(S'echo ran'\ntR.")  # a pickle that would run a command
+    result = subprocess.run([sys.executable, str(REPO / "tools/aggregate.py"), "-b", str(trace),
+                             "--flight-recorder", str(tmp_path / "crafted_")],
+                            capture_output=True, text=True, cwd=REPO, check=False)
+    assert result.returncode == 2 and "ran" not in result.stdout, result.stdout + result.stderr
+    error = result.stderr.splitlines()[-1]  # after the merge's warnings, if any
+    assert "Traceback" not in result.stderr and error.startswith("tools/aggregate.py: --flight-recorder:"), error
+    assert "not a PyTorch flight-recorder dump" in error, result.stderr

@@ -13,6 +13,7 @@ import time
 
 from megascan.aggregate.alignment_summary import describe_alignment
 from megascan.aggregate.chrome_trace import write_chrome_trace
+from megascan.aggregate.flight_recorder import FlightRecorderError, find_dumps, witness
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
@@ -44,6 +45,9 @@ def build_parser():
     parser.add_argument("-d", "--detect", action="store_true",
                         help="find the slow GPU, slow link or hung rank and print the report")
     parser.add_argument("--report-json", metavar="PATH", help="also write the detection report as JSON (implies -d)")
+    parser.add_argument("--flight-recorder", metavar="PREFIX",
+                        help="also read NCCL's flight-recorder dumps PREFIX<rank> (TORCH_NCCL_DEBUG_INFO_TEMP_FILE; "
+                        "implies -d); MegaScan's own dumps in DIR are read with -d anyway")
     parser.add_argument("--sqlite", metavar="PATH", help="also write tables ranks, events, ops to an SQLite file")
     parser.add_argument("--ranks", metavar="LIST", help="write only these ranks to the Chrome trace, e.g. 0-63,512 "
                         "(detection and SQLite still cover every rank)")
@@ -106,10 +110,31 @@ def _write(flag, path, writer, *args):
         raise UsageError(flag, f"cannot write {path}: {error.strerror or error}; choose a writable path") from None
 
 
-def _write_report(report, path):
+def _write_report(report, second_witness, path):
+    document = report.to_json()
+    if second_witness is not None:
+        document["flight_recorder"] = second_witness.to_json()
     with replaced_on_success(path) as temporary, open(temporary, "w") as out:
-        json.dump(report.to_json(), out, indent=1)
+        json.dump(document, out, indent=1)
         out.write("\n")
+
+
+def _flight_recorder(args, merged):
+    """The dumps' FlightRecorderWitness, or None where there are none (and none were asked for)."""
+    if args.flight_recorder and not os.path.isdir(os.path.dirname(os.path.abspath(args.flight_recorder))):
+        raise UsageError("--flight-recorder", f"no directory holds {args.flight_recorder}; pass the prefix the job "
+                                              f"set as TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    paths = find_dumps(args.directory, args.flight_recorder)
+    if not paths:
+        if args.flight_recorder:
+            raise UsageError("--flight-recorder", f"no dump named {args.flight_recorder}<rank> (nor "
+                                                  f"flight-recorder-<rank>.pkl in {args.directory})")
+        return None
+    world_size = max(rank + 1 for rank in (*merged.ranks, *merged.unaligned))
+    try:
+        return witness(paths, world_size)
+    except FlightRecorderError as error:
+        raise UsageError("--flight-recorder", str(error)) from None
 
 
 def _causality_line(check):
@@ -165,13 +190,17 @@ def run(args):
     if args.sqlite:
         _write("--sqlite", args.sqlite, write_sqlite, merged)
         outputs.append(("SQLite", args.sqlite))
-    report = detect(merged) if args.detect or args.report_json else None
+    detecting = args.detect or args.report_json or args.flight_recorder
+    report = detect(merged) if detecting else None
+    second_witness = _flight_recorder(args, merged) if detecting else None
     if args.report_json:
-        _write("--report-json", args.report_json, _write_report, report)
+        _write("--report-json", args.report_json, _write_report, report, second_witness)
         outputs.append(("detection report JSON", args.report_json))
     print(summary(merged, outputs, time.perf_counter() - started))
     if report is not None:
         print(report.to_text())
+    if second_witness is not None:
+        print(second_witness.to_text([suspect.rank for suspect in report.suspects if suspect.kind == "hang"]))
     return 0
 
 

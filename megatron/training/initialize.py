@@ -62,6 +62,8 @@ def initialize_megatron(args, plugin_start=None):
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        # the model-parallel groups' own timeout (megatron-core's default is 30 minutes), as Megatron-LM passes it
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
     init_num_microbatches_calculator(
         rank=torch.distributed.get_rank(),
