@@ -122,9 +122,9 @@ def worker(kind, flags, new_tokens, hf_dir):
 
     import pretrain_gpt
     from megascope.inference_session import InferenceSession
-    from megascope.wire import Limits
     from megascope.ws_server import WebSocketServer
     from megatron.inference.engine import GenerationEngine
+    from megatron.inference.limits import Limits
     from megatron.inference.model_setup import setup_for_generation
     from megatron.inference.prompts import PromptEncoder
     from megatron.inference.sampling import SamplingParams

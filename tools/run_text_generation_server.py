@@ -23,9 +23,9 @@ import torch  # noqa: E402
 import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
 import pretrain_gpt  # noqa: E402
 from megascope.inference_session import InferenceSession, ScopeObserver, apply_perturbations  # noqa: E402
-from megascope.wire import Limits  # noqa: E402
 from megascope.ws_server import WebSocketServer  # noqa: E402
 from megatron.inference.engine import GenerationEngine  # noqa: E402
+from megatron.inference.limits import Limits  # noqa: E402
 from megatron.inference.model_setup import setup_for_generation  # noqa: E402
 from megatron.inference.prompts import PromptEncoder, load_chat_template  # noqa: E402
 from megatron.inference.rest_api import serve_rest  # noqa: E402
