@@ -21,7 +21,7 @@ from megascan.detection.report import Suspect
 from megascan.detection.waits import GroupWaits
 
 # Own compute this many times what its peers take for the same work. Healthy GPUs of one model agree
-# within a few percent (+-3 % in tests/simulated_traces.py; a healthy H200 pair in docs/benchmarks.md
+# within a few percent (+-3 % in megascan/simulation/simulated_traces.py; a healthy H200 pair in docs/benchmarks.md
 # differed by 1.10x with one host lagging), a 1.2x slow GPU measures 1.15x or more against peers up to
 # 3 % faster. CPU processes sharing an oversubscribed host (tests, --device cpu) differ by far more: a
 # healthy rank of an 8-process DP2 x TP2 x PP2 run on 2 cores measured 2.28x its peers over one 2-iteration
