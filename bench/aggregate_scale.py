@@ -24,15 +24,12 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-
-from megascan.aggregate.chrome_trace import write_chrome_trace  # noqa: E402
-from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory  # noqa: E402
-from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
-from megascan.detection import detect  # noqa: E402
-from megascan.simulation.simulated_traces import Scenario, simulate  # noqa: E402
-from megascan.simulation.synthetic_traces import read_lines, write_lines  # noqa: E402
+from megascan.aggregate.chrome_trace import write_chrome_trace
+from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory
+from megascan.aggregate.merged_trace import load_and_merge
+from megascan.detection import detect
+from megascan.simulation.simulated_traces import Scenario, simulate
+from megascan.simulation.synthetic_traces import read_lines, write_lines
 
 SIMULATED_TP, SIMULATED_PP, MICROBATCHES = 8, 8, 9
 

@@ -12,18 +12,14 @@ analysed (detect), as tools/aggregate.py -d does without writing the timeline.
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-
-from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
-from megascan.detection import detect  # noqa: E402
-from megascan.simulation.detection_cases import check, scenarios  # noqa: E402
-from megascan.simulation.simulated_traces import simulate  # noqa: E402
+from megascan.aggregate.merged_trace import load_and_merge
+from megascan.detection import detect
+from megascan.simulation.detection_cases import check, scenarios
+from megascan.simulation.simulated_traces import simulate
 
 DEFAULT_LAYOUTS = ("8x4x8", "16x2x8", "8x8x8", "16x8x8")
 

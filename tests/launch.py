@@ -4,13 +4,14 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import psutil
+
+from megatron.training.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,6 @@ def gpt_data_args(prefix):
     return ["--data-path", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
             "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(nproc, script, args):

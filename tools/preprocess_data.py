@@ -15,15 +15,13 @@ import re
 import sys
 import time
 
-# Run as a script from anywhere: the repository root holds the megatron.training package.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-import numpy  # noqa: E402
+import numpy
 
 # Only light modules here: megatron-core (under megatron.training.tokenizer too) takes seconds to
 # import, so preprocess() imports it after the checks of the flags, the input and the output folder.
-from megatron.training.arguments import MegatronArgumentParser  # noqa: E402
-from megatron.training.atomic_file import replaced_on_success  # noqa: E402
-from megatron.training.errors import UserError  # noqa: E402
+from megatron.training.arguments import MegatronArgumentParser
+from megatron.training.atomic_file import replaced_on_success
+from megatron.training.errors import UserError
 
 PROG = "preprocess_data.py"
 
