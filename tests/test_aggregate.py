@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO
+from helpers.launch import REPO
 
 from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from launch import REPO
+from helpers.launch import REPO
 
 CONTROL = REPO / "scripts/gpu_control.sh"
 USAGE = "usage: gpu_control.sh limit <gpu> <MHz> | reset <gpu> | monitor [seconds]"

@@ -18,8 +18,8 @@ import time
 
 import pytest
 import torch
-from hf_tokenizer import write_word_tokenizer
-from launch import (
+from helpers.hf_tokenizer import write_word_tokenizer
+from helpers.launch import (
     REPO,
     assert_succeeded,
     child_env,

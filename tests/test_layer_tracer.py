@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, child_env
+from helpers.launch import REPO, child_env
 
 from megatron.training.ports import free_port
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import websockets
-from launch import REPO, child_env, kill_process_tree, torchrun, torchrun_command
+from helpers.launch import REPO, child_env, kill_process_tree, torchrun, torchrun_command
 from websockets.sync.client import connect
 
 from megascope import PLUGIN

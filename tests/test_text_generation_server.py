@@ -16,9 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets
-from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
-from launch import REPO, run_script
-from readme_commands import as_launched, readme_commands
+from helpers.generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
+from helpers.launch import REPO, run_script
+from helpers.readme_commands import as_launched, readme_commands
 
 from megascope.client import MegaScopeClient, MegaScopeError
 from megascope.wire import decode_data_frame

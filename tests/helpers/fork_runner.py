@@ -1,12 +1,13 @@
 """Run one script many times, each run in a process forked after the script's own imports.
 
-    python tests/fork_runner.py SCRIPT < cases.json      (cases: [{"args": [...], "env": {...}}])
+    python tests/helpers/fork_runner.py SCRIPT < cases.json      (cases: [{"args": [...], "env": {...}}])
 
 prints one JSON list: per case {"returncode", "stdout", "stderr"}. Each run is the script run as
 ``__main__`` with that argv and environment, as ``python SCRIPT ARGS`` runs it, but without importing
 torch and megatron-core again: a start-up mistake is found in milliseconds, where a fresh interpreter
 spends seconds of CPU on imports (tests/test_launch_errors.py runs two dozen of them). The script's folder is
-not put first on sys.path as ``python SCRIPT`` would: the scripts run here import installed packages only."""
+not put first on the module search path as ``python SCRIPT`` would: the scripts run here import installed
+packages only."""
 
 import json
 import os

@@ -13,7 +13,9 @@ import psutil
 
 from megatron.training.ports import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"  # what holds the helpers package
+PLUGINS = TESTS / "helpers" / "plugins"  # plugin modules for MEGATRON_PLUGINS (on PYTHONPATH)
 
 # A tiny GPT on the sample vocabulary; no dropout and layout-invariant initialization so that
 # every parallel layout computes the same losses.
@@ -63,8 +65,13 @@ def running_with_argument(text):
 
 
 def child_env(extra=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.update(extra or {})
+    """The environment of a process a test starts: this one's, with ``extra``; PYTHONPATH has tests/ first, so
+    that an entry script run by its path imports ``helpers`` as the tests do, then ``extra``'s and this
+    process's own (a PYTHONPATH in ``extra``, e.g. a folder of plugins, adds to it: it replaces nothing)."""
+    extra = dict(extra or {})
+    paths = [str(TESTS), extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
     return env
 
 
@@ -91,10 +98,10 @@ def run_script(script, args, env=None, timeout=120):
 
 def run_script_cases(script, cases, timeout=300):
     """``run_script`` for many (args, env) cases of one script at once: each case in a process forked after
-    the script's imports (tests/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
+    the script's imports (tests/helpers/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
     payload = json.dumps([{"args": list(map(str, args)), "env": {"MASTER_PORT": str(free_port()), **(env or {})}}
                           for args, env in cases])
-    runner = subprocess.run([sys.executable, str(REPO / "tests/fork_runner.py"), str(REPO / script)], cwd=REPO,
+    runner = subprocess.run([sys.executable, str(REPO / "tests/helpers/fork_runner.py"), str(REPO / script)], cwd=REPO,
                             env=child_env(), input=payload, capture_output=True, text=True, timeout=timeout)
     assert runner.returncode == 0, runner.stderr[-5000:]
     return [subprocess.CompletedProcess([script, *args], result["returncode"], result["stdout"], result["stderr"])

@@ -5,8 +5,7 @@ import re
 import shlex
 import sys
 
-from launch import REPO
-
+from helpers.launch import REPO
 from megatron.training.ports import free_port
 
 

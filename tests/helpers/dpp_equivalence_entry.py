@@ -3,7 +3,7 @@ megatron-core's static schedule and under DPP schedules, and check on every rank
 every iteration and the weights at the end agree. Prints one ``DPP-EQUIVALENCE`` line per rank and DPP
 schedule; exits 1 on a mismatch.
 
-    torchrun ... tests/dpp_equivalence_entry.py --entry pretrain_gpt --schedules depth-first,breadth-first:1
+    torchrun ... tests/helpers/dpp_equivalence_entry.py --entry pretrain_gpt --schedules depth-first,breadth-first:1
         --iterations 10 --schedule-log-prefix DIR/log <pretrain flags, with --use-dpp>
 """
 
