@@ -5,7 +5,7 @@ writing the Chrome trace and detection (what ``tools/aggregate.py -b DIR -d`` do
     python bench/aggregate_scale.py --ranks 1024 --windows 1 2 4 --json scale.json
     python bench/aggregate_scale.py --from TRACE_DIR     # a real run's directory, its DP replicas copied
 
-Simulated runs (tests/simulated_traces.py) are DP x TP8 x PP8 GPT runs, 1F1B with 9 microbatches and two
+Simulated runs (megascan/simulation/simulated_traces.py) are DP x TP8 x PP8 GPT runs, 1F1B with 9 microbatches and two
 layers per stage, ``--windows`` trace windows of two iterations (default 2): per rank and iteration 72
 tensor-parallel all-reduces, 14-18 pipeline sends/recvs and the gradient, embedding and grad-norm
 all-reduces; hosts of 8 GPUs with clocks milliseconds apart, drifting and anchored per window. At 1024
@@ -24,16 +24,12 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-
-from simulated_traces import Scenario, simulate  # noqa: E402
-from synthetic_traces import read_lines, write_lines  # noqa: E402
-
-from megascan.aggregate.chrome_trace import write_chrome_trace  # noqa: E402
-from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory  # noqa: E402
-from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
-from megascan.detection import detect  # noqa: E402
+from megascan.aggregate.chrome_trace import write_chrome_trace
+from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory
+from megascan.aggregate.merged_trace import load_and_merge
+from megascan.detection import detect
+from megascan.simulation.simulated_traces import Scenario, simulate
+from megascan.simulation.synthetic_traces import read_lines, write_lines
 
 SIMULATED_TP, SIMULATED_PP, MICROBATCHES = 8, 8, 9
 

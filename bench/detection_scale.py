@@ -1,6 +1,6 @@
-"""Detection at scale: the case matrix of tests/detection_cases.py (a healthy run, one slow GPU in every
+"""Detection at scale: the case matrix of megascan/simulation/detection_cases.py (a healthy run, one slow GPU in every
 role and two at once at 1.2-1.6x, a slow pipeline link, a rank hung at each of seven operations) on
-simulated DP x TP x PP runs (tests/simulated_traces.py: 1F1B, per-host clocks, +-3 % GPU speed spread),
+simulated DP x TP x PP runs (megascan/simulation/simulated_traces.py: 1F1B, per-host clocks, +-3 % GPU speed spread),
 each checked against what was injected: every culprit named, nothing else named.
 
     python bench/detection_scale.py                                  # 256, 512 and 1024 ranks
@@ -12,19 +12,14 @@ analysed (detect), as tools/aggregate.py -d does without writing the timeline.
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
-
-from detection_cases import check, scenarios  # noqa: E402
-from simulated_traces import simulate  # noqa: E402
-
-from megascan.aggregate.merged_trace import load_and_merge  # noqa: E402
-from megascan.detection import detect  # noqa: E402
+from megascan.aggregate.merged_trace import load_and_merge
+from megascan.detection import detect
+from megascan.simulation.detection_cases import check, scenarios
+from megascan.simulation.simulated_traces import simulate
 
 DEFAULT_LAYOUTS = ("8x4x8", "16x2x8", "8x8x8", "16x8x8")
 

@@ -13,8 +13,6 @@ and the forward time a healthy run printed (--prediction-forward-ms), the slow-d
 import argparse
 import importlib
 import statistics
-import sys
-from pathlib import Path
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -22,10 +20,8 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.utils import get_model_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megadpp.prediction import predict  # noqa: E402
-from megadpp.side_by_side import STATIC, parse_schedule, run_schedule, setup  # noqa: E402
+from megadpp.prediction import predict
+from megadpp.side_by_side import STATIC, parse_schedule, run_schedule, setup
 
 
 def main():

@@ -11,15 +11,11 @@ each scenario's delays are drawn from seeds 0..--seeds-1, the same for every sch
 
 import argparse
 import statistics
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megadpp.policy import POLICIES  # noqa: E402
-from megadpp.runtime import default_caps  # noqa: E402
-from megadpp.simulator import CostModel, simulate  # noqa: E402
-from megadpp.static_orders import static_order  # noqa: E402
+from megadpp.policy import POLICIES
+from megadpp.runtime import default_caps
+from megadpp.simulator import CostModel, simulate
+from megadpp.static_orders import static_order
 
 
 def scenarios(options, stages):

@@ -21,15 +21,12 @@ import argparse
 import importlib
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megadpp.policy import POLICIES  # noqa: E402
-from megadpp.side_by_side import STATIC, run_schedule, setup  # noqa: E402
+from megadpp.policy import POLICIES
+from megadpp.side_by_side import STATIC, run_schedule, setup
 
 
 def relative_differences(run, reference):

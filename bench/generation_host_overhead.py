@@ -20,12 +20,9 @@ import sys
 import tempfile
 import time
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-sys.path.insert(0, os.path.join(REPO, "bench"))
+from megascope_generation import LLAMA_TINY, PROMPT, _make_llama
 
-from megascope_generation import LLAMA_TINY, PROMPT, _make_llama  # noqa: E402
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def worker(hf_dir, new_tokens, rounds, profile, flags):
@@ -81,7 +78,8 @@ def main():
     if options.worker:
         return worker(options.worker, options.new_tokens, options.rounds, options.profile,
                       [flag for flag in flags if flag != "--"])
-    from launch import free_port
+    from megatron.training.ports import free_port
+
     with tempfile.TemporaryDirectory() as work:
         hf_dir, converted = os.path.join(work, "hf"), os.path.join(work, "megatron")
         _make_llama(hf_dir, dict(LLAMA_TINY, num_hidden_layers=options.layers))

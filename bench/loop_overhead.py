@@ -16,21 +16,17 @@ plus plugin hooks, loss reduction across replicas, logging and the SIGTERM agree
 """
 
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-
-from megatron.core.num_microbatches_calculator import get_num_microbatches  # noqa: E402
-
-import pretrain_gpt  # noqa: E402
-from megatron.training.errors import exit_on_user_error  # noqa: E402
-from megatron.training.initialize import shutdown  # noqa: E402
-from megatron.training.training import setup_job  # noqa: E402
+import pretrain_gpt
+from megatron.training.errors import exit_on_user_error
+from megatron.training.initialize import shutdown
+from megatron.training.training import setup_job
 
 
 def _bench_args(parser):

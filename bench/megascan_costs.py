@@ -18,20 +18,17 @@ import time
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
-from megatron.core.transformer.transformer_block import TransformerBlock  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
-
-from megascan.comm_tracer import CommTracer  # noqa: E402
-from megascan.layer_tracer import LayerTracer  # noqa: E402
-from megascan.recorder import Recorder  # noqa: E402
-from megascan.timing import CudaEventTimer  # noqa: E402
-from megascan.trace_writer import TraceWriter  # noqa: E402
+from megascan.comm_tracer import CommTracer
+from megascan.layer_tracer import LayerTracer
+from megascan.recorder import Recorder
+from megascan.timing import CudaEventTimer
+from megascan.trace_writer import TraceWriter
 
 REPEATS = 7
 LAYERS = 4

@@ -21,21 +21,17 @@ iteration records (each takes two marks: the figure to set against the cost of a
         [--bench-rounds 10] [--bench-json out.json]
 """
 
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job
 
-from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job  # noqa: E402
-
-import megascan  # noqa: E402
-from megascan.layer_tracer import LayerTracer  # noqa: E402
-from megascan.session import is_traced  # noqa: E402
-from megatron.training.errors import exit_on_user_error  # noqa: E402
-from megatron.training.initialize import shutdown  # noqa: E402
+import megascan
+from megascan.layer_tracer import LayerTracer
+from megascan.session import is_traced
+from megatron.training.errors import exit_on_user_error
+from megatron.training.initialize import shutdown
 
 MODES = ("off", "base", "full")
 

@@ -24,8 +24,6 @@ import threading
 import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
 
 PROMPT = list(range(100, 132))
 ALL_HOOKS = ["embed", "ln1", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.out", "resid_mid", "mlp.pre",
@@ -122,9 +120,9 @@ def worker(kind, flags, new_tokens, hf_dir):
 
     import pretrain_gpt
     from megascope.inference_session import InferenceSession
-    from megascope.wire import Limits
     from megascope.ws_server import WebSocketServer
     from megatron.inference.engine import GenerationEngine
+    from megatron.inference.limits import Limits
     from megatron.inference.model_setup import setup_for_generation
     from megatron.inference.prompts import PromptEncoder
     from megatron.inference.sampling import SamplingParams
@@ -202,7 +200,8 @@ def _make_llama(directory, shape):
 
 
 def _run_worker(kind, flags, new_tokens, hf_dir=None):
-    from launch import free_port
+    from megatron.training.ports import free_port
+
     command = [sys.executable, os.path.abspath(__file__), "--worker", kind, "--new-tokens", str(new_tokens),
                "--hf-dir", hf_dir or "", "--", *flags]
     env = dict(os.environ, MASTER_PORT=str(free_port()), PYTHONUNBUFFERED="1")

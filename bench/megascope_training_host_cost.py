@@ -10,14 +10,11 @@ critical path this host time is an upper bound on the cost; an A/B of whole runs
 megascope_training_overhead.sh) cannot resolve a cost far below its run-to-run spread.
 """
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import pretrain_gpt  # noqa: E402
-from megascope.plugin import MegaScopePlugin  # noqa: E402
+import pretrain_gpt
+from megascope.plugin import MegaScopePlugin
 
 WARM_UP = 5
 added, iteration_ends = [], []

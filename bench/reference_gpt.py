@@ -14,7 +14,6 @@ Prints one line: ms per iteration (mean over the timed iterations, after the war
 """
 
 import argparse
-import os
 import sys
 import time
 import types
@@ -23,8 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-from megatron.training.flops import training_flops_per_iteration  # noqa: E402  (plain Python, no megatron-core)
+from megatron.training.flops import training_flops_per_iteration  # (plain Python, no megatron-core)
 
 
 class Block(nn.Module):

@@ -1,8 +1,9 @@
 """Delays a pipeline can be given on purpose, for demonstrations and tests (CPU runs).
 
 - A slow stage (--dpp-delay-stage): every forward of that pipeline stage's model chunks sleeps
-  --dpp-delay-ms (for a random --dpp-delay-probability share of microbatches). It is a forward pre-hook,
-  so the static schedules and DPP meet the same delays and can be compared.
+  --dpp-delay-ms (for a random --dpp-delay-probability share of microbatches). It is a forward pre-hook
+  (megatron/training/fault_injection.py, as MegaScan's host delay), so the static schedules and DPP meet the
+  same delays and can be compared.
 - A slow link (--dpp-delay-link S): each message that pipeline stage S sends takes --dpp-delay-ms longer
   to get through (for a --dpp-delay-probability share of them), as the simulator's straggler link does
   (megadpp/simulator.py). Under DPP the receiving rank holds such a message back that long after it
@@ -25,6 +26,7 @@ from torch.distributed import ProcessGroup
 
 from megadpp.actions import FORWARD, StageLayout
 from megadpp.static_orders import static_order
+from megatron.training.fault_injection import sleep_before_each_forward
 
 _STAGE, _LINK, _JITTER = 0, 1, 2
 
@@ -43,16 +45,8 @@ def install_stage_delay(model_chunks, args):
     if parallel_state.get_pipeline_model_parallel_rank() != args.dpp_delay_stage:
         return
     draws = _Draws(args.seed)
-    delay_s = args.dpp_delay_ms / 1000.0
-    for index, chunk in enumerate(model_chunks):
-        calls = [0]
-
-        def sleep_before_forward(module, inputs, index=index, calls=calls):
-            if draws(_STAGE, index, calls[0]) < args.dpp_delay_probability:
-                time.sleep(delay_s)
-            calls[0] += 1
-
-        chunk.register_forward_pre_hook(sleep_before_forward)
+    sleep_before_each_forward(model_chunks, args.dpp_delay_ms / 1000.0,
+                              lambda chunk, n: draws(_STAGE, chunk, n) < args.dpp_delay_probability)
 
 
 def arrival_delay(args):

@@ -5,9 +5,10 @@ backward, rank R sleeps (F - 1) times what that pass took, so it looks like a sl
 layers take longer than the same layers elsewhere, and it reaches every collective late.
 
 --inject-host-delay-rank R --inject-host-delay-ms X: rank R's host sleeps X ms before each
-microbatch's forward (a pre-hook on each model chunk, outside every layer), as slow data loading or
-a busy CPU would: its layers are not slower, it only reaches its first collective of each microbatch
-late. On a GPU its GPU idles meanwhile (a host-bound rank); on CPU host and device are one.
+microbatch's forward (megatron/training/fault_injection.py: a pre-hook on each model chunk, outside
+every layer), as slow data loading or a busy CPU would: its layers are not slower, it only reaches its
+first collective of each microbatch late. On a GPU its GPU idles meanwhile (a host-bound rank); on
+CPU host and device are one.
 
 --inject-hang-rank R --inject-hang-iteration I: rank R stops itself (SIGSTOP) at its first
 attention forward of iteration I, like a process frozen by a driver fault; its peers block in
@@ -19,6 +20,7 @@ import signal
 import time
 
 from megascan.layer_hooks import hook_phases, layer_parts
+from megatron.training.fault_injection import sleep_before_each_forward
 
 
 class _Stretch:
@@ -40,13 +42,7 @@ def slow_down(model_chunks, factor):
 
 
 def delay_host(model_chunks, milliseconds):
-    seconds = milliseconds / 1000.0
-
-    def sleep_before_forward(module, args):
-        time.sleep(seconds)
-
-    for chunk in model_chunks:
-        chunk.register_forward_pre_hook(sleep_before_forward)
+    sleep_before_each_forward(model_chunks, milliseconds / 1000.0)
 
 
 class HangAtIteration:

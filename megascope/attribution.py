@@ -28,14 +28,11 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 
-from megascope.distributed import (
-    all_gather_along,
-    broadcast_from_last_stage,
-    gather_objects,
-)
+from megascope.distributed import all_gather_along, broadcast_from_last_stage
 from megascope.hooks import ModuleHooks, global_layer_index, unwrap_model
 from megascope.logit_lens import output_weight
 from megascope.wire import encode_data_frame
+from megatron.training.collectives import gather_objects
 
 ATTRIBUTION_HOOK = "attribution"
 ATTRIBUTION_DIMS = ("token", "layer", "component")  # component: head 0 .. heads-1, then the MLP

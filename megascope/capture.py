@@ -19,7 +19,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.enums import AttnMaskType
 
 from megascope.capture_spec import CaptureSpec  # noqa: F401  (the API: from megascope.capture import CaptureSpec)
-from megascope.distributed import all_gather_along, gather_objects
+from megascope.distributed import all_gather_along
 from megascope.hooks import (
     COLUMNS,
     FUSED_QKV,
@@ -35,6 +35,7 @@ from megascope.hooks import (
 )
 from megascope.logit_lens import LOGIT_LENS_DIMS, logit_lens_on_last_stage
 from megascope.reductions import Reduction
+from megatron.training.collectives import gather_objects
 
 _NO_REDUCTION = Reduction("none")
 

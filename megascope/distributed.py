@@ -1,5 +1,5 @@
-"""The collectives MegaScope needs: gather tensor-parallel shards, send objects to one rank, and hand the last
-pipeline stage's tensor to every stage."""
+"""The tensor collectives MegaScope needs: gather tensor-parallel shards and hand the last pipeline stage's tensor
+to every stage (objects go to one rank with megatron/training/collectives.py)."""
 
 import torch
 from megatron.core import parallel_state
@@ -14,16 +14,6 @@ def all_gather_along(tensor, dim, group):
     pieces = [torch.empty_like(tensor) for _ in range(size)]
     torch.distributed.all_gather(pieces, tensor, group=group)
     return torch.cat(pieces, dim=dim)
-
-
-def gather_objects(obj, group, dst_index):
-    """Every rank's ``obj`` on the ``dst_index``-th rank of ``group`` (a list in group order), else None."""
-    ranks = torch.distributed.get_process_group_ranks(group)
-    if len(ranks) == 1:
-        return [obj]
-    received = [None] * len(ranks) if torch.distributed.get_rank() == ranks[dst_index] else None
-    torch.distributed.gather_object(obj, received, dst=ranks[dst_index], group=group)
-    return received
 
 
 def broadcast_from_last_stage(tensor, shape, dtype, device):

@@ -1,21 +1,13 @@
-"""The one error type of MegaScope: a client's request (capture spec, perturbation, message) is invalid.
+"""MegaScope's errors: the base's ProtocolError (megatron/inference/errors.py: a client's request is invalid),
+which the servers turn into an error frame {"type": "error", "code", "message", "field"} and go on serving, and
+``within`` to name a field inside the message that holds it."""
 
-Servers turn it into an error frame {"type": "error", "code", "message", "field"} and go on serving.
-"""
+from megatron.inference.errors import ProtocolError
 
-
-class ProtocolError(Exception):
-    """A request that cannot be served as sent: `code` (e.g. "bad_reduction"), a one-sentence `message`,
-    and the offending `field` when there is one."""
-
-    def __init__(self, code: str, message: str, field: str | None = None):
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.field = field
+__all__ = ["ProtocolError", "within"]
 
 
-def within(error, prefix):
+def within(error: ProtocolError, prefix: str) -> ProtocolError:
     """``error`` with its field named inside ``prefix``: a capture spec's "topk" is the message's
     "capture.topk", the third perturbation's "scale" is "perturbations.2.scale"."""
     return ProtocolError(error.code, error.message, f"{prefix}.{error.field}" if error.field else prefix)

@@ -23,9 +23,10 @@ from megascope.patching import Patch, Patcher, parse_patches
 from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.welcome import welcome_info
-from megascope.wire import Limits, echo_id, encode_data_frame, error_message
+from megascope.wire import echo_id, encode_data_frame, error_message
 from megatron.inference.engine import NonFiniteLogits, NoObserver
 from megatron.inference.greedy import logits as forward_logits
+from megatron.inference.limits import Limits
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.service import Job, pick_seed
 

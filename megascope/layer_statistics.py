@@ -11,7 +11,7 @@ import torch
 from megatron.core import parallel_state
 
 from megascope.hooks import ModuleHooks, global_layer_index, unwrap_model
-from megatron.training.layout_invariant_init import _global_names
+from megatron.training.layout_invariant_init import global_parameter_names
 
 
 class LayerStatistics(ModuleHooks):
@@ -54,7 +54,7 @@ class LayerStatistics(ModuleHooks):
         if not self.grads_known or parallel_state.get_data_parallel_rank() != 0:
             return torch.tensor(squares, dtype=torch.float64)  # data-parallel replicas hold the same gradients
         for model in self.models:
-            names = _global_names(model)
+            names = global_parameter_names(model)
             for name, param in model.named_parameters():
                 parts = names[name].split(".")
                 if parts[:2] != ["decoder", "layers"]:

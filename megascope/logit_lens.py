@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 
-from megascope.distributed import all_gather_along, gather_objects
+from megascope.distributed import all_gather_along
+from megatron.training.collectives import gather_objects
 
 LOGIT_LENS_DIMS = ("topk", "id_prob")  # per token: k rows of (token id, probability)
 

@@ -25,7 +25,7 @@ from megatron.core import parallel_state
 
 from megascope.errors import ProtocolError, within
 from megascope.hooks import ModuleHooks, global_layer_index, rewrite_output, unwrap_model
-from megatron.training.layout_invariant_init import _full_shape, _global_names, _this_ranks_shard
+from megatron.training.layout_invariant_init import full_shape, global_parameter_names, this_ranks_shard
 
 STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
                    "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "ln1": "input_layernorm",
@@ -196,7 +196,7 @@ class PerturbationSet(ModuleHooks):
     def _storage_parameters(self, p):
         """(global name, parameter) pairs this storage perturbation touches on this rank."""
         for _chunk, model in zip(self.chunks, self.models):
-            names = _global_names(model)
+            names = global_parameter_names(model)
             for name, param in model.named_parameters():
                 global_name = names[name]
                 if p.target == "embed":
@@ -218,8 +218,8 @@ class PerturbationSet(ModuleHooks):
                 continue
             for global_name, param in self._storage_parameters(p):
                 self.originals.setdefault(param, param.detach().clone())
-                noise = draw_noise(p, _full_shape(param), param.dtype, global_name)
-                param.copy_(apply_noise(param, p, None if noise is None else _this_ranks_shard(noise, param)))
+                noise = draw_noise(p, full_shape(param), param.dtype, global_name)
+                param.copy_(apply_noise(param, p, None if noise is None else this_ranks_shard(noise, param)))
 
     @torch.no_grad()
     def restore_storage(self):

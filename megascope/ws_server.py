@@ -35,7 +35,6 @@ from megascope.wire import (
     INFERENCE_TYPES,
     PROTOCOL_VERSION,
     TRAINING_TYPES,
-    Limits,
     echo_id,
     encode_message,
     error_from,
@@ -43,6 +42,7 @@ from megascope.wire import (
     parse_message,
     sent_id,
 )
+from megatron.inference.limits import Limits
 from megatron.training.errors import UserError
 
 log = logging.getLogger("megascope.ws")

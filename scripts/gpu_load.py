@@ -11,11 +11,12 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 
 import torch
+
+from megatron.training.atomic_file import replaced_on_success
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -55,11 +56,8 @@ def _parse(argv):
 
 def _write_pid_file(path):
     """Rename into place, so a launch script never reads a half-written PID."""
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), prefix=".gpu_load-")
-    with os.fdopen(handle, "w") as f:
+    with replaced_on_success(path) as temporary, open(temporary, "w") as f:
         f.write(f"{os.getpid()}\n")
-    os.chmod(temporary, 0o644)
-    os.replace(temporary, path)
 
 
 def _run(args, stop):

@@ -2,7 +2,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO
+from helpers.launch import REPO
 
 
 def _preprocess(out_dir, corpus, extra):

@@ -1,4 +1,4 @@
-"""tools/aggregate.py: synthetic per-rank trace directories (tests/synthetic_traces.py) with known ground
+"""tools/aggregate.py: synthetic per-rank trace directories (megascan/simulation/synthetic_traces.py) with known ground
 truth are matched, aligned and merged exactly; damaged directories are reported and the rest merged;
 the outputs (Chrome trace, SQLite) hold what they should; bad command lines stop with one line."""
 
@@ -11,14 +11,14 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO
-from synthetic_traces import op_key, read_lines, write_lines, write_run
+from helpers.launch import REPO
 
 from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.detection import detect
+from megascan.simulation.synthetic_traces import op_key, read_lines, write_lines, write_run
 
 # DP2 x PP2 x TP2, 4 layers, 4 microbatches, windows (4, 5) and (9, 10). Per iteration: 4 TP all-reduces
 # per layer and microbatch on each of 4 TP groups (2 layers per stage), one gradient all-reduce on each
@@ -455,8 +455,8 @@ def test_bad_input_is_one_line_exit_2_and_touches_nothing(tmp_path, capsys):
 
 
 def test_command_line_tools_stop_on_bad_input_with_one_line(tmp_path):
-    # A missing directory through scripts/aggregate.py (which forwards), a missing flag through tools/.
-    cases = list(zip(("scripts/aggregate.py", "tools/aggregate.py"), list(_bad_inputs(tmp_path).items())[::4]))
+    # A missing directory and a missing flag, as `python tools/aggregate.py` run from the repository says them.
+    cases = [("tools/aggregate.py", case) for case in list(_bad_inputs(tmp_path).items())[::4]]
 
     def run(case):
         script, (args, _) = case

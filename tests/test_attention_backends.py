@@ -6,7 +6,7 @@ import functools
 import re
 
 import pytest
-from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
+from helpers.launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
 
 ITERATIONS = 4
 RELATIVE_TOLERANCE = 1e-4  # fp32 on CPU: only the order of the softmax's sums differs

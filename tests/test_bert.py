@@ -3,7 +3,7 @@
 import re
 
 import pytest
-from launch import REPO, TINY_GPT, assert_succeeded, torchrun
+from helpers.launch import REPO, TINY_GPT, assert_succeeded, torchrun
 
 ITERATIONS = 10
 

@@ -8,7 +8,7 @@ import subprocess
 
 import psutil
 import pytest
-from launch import (
+from helpers.launch import (
     REPO,
     TINY_GPT,
     assert_succeeded,
@@ -21,7 +21,7 @@ from launch import (
     torchrun,
     torchrun_command,
 )
-from readme_commands import as_launched, readme_commands
+from helpers.readme_commands import as_launched, readme_commands
 
 from megatron.training.arguments import parse_args
 from megatron.training.checkpoint_checks import damaged_file

@@ -1,13 +1,13 @@
-"""Clock alignment on simulated GPU clusters (tests/simulated_traces.py): hosts' wall clocks milliseconds
+"""Clock alignment on simulated GPU clusters (megascan/simulation/simulated_traces.py): hosts' wall clocks milliseconds
 apart and drifting, CUDA-event times anchored per trace window with a few microseconds of error. Aligned
 times must match the truth (the reference rank's clock) to about a microsecond, per-window anchor errors
 must not be taken for drift, and the summary must say which model was fitted."""
 
 import pytest
-from simulated_traces import Scenario, simulate
 
 from megascan.aggregate import load_and_merge
 from megascan.aggregate.alignment_summary import describe_alignment
+from megascan.simulation.simulated_traces import Scenario, simulate
 
 TRUTH_TOLERANCE_US = 1.5  # finishes jitter by 0.5 us per member; anchors are off by up to 5 us
 

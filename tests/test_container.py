@@ -11,8 +11,8 @@ import re
 import subprocess
 
 import pytest
-from launch import REPO
-from podman_env import (
+from helpers.launch import REPO
+from helpers.podman_env import (
     ensure_base_image,
     install_tools,
     pip_sources_for_build,

@@ -5,16 +5,12 @@ nothing; of what interrupted conversions left, only a dead conversion's of this 
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
-from launch import REPO
-
-from megatron.training.errors import UserError
-
-sys.path.insert(0, str(REPO / "tools/checkpoint"))
 from output_dir import written_atomically
 from staging import remove_leftovers
+
+from megatron.training.errors import UserError
 
 
 def test_a_parent_that_takes_nothing_is_one_line_and_nothing_is_made(tmp_path):

@@ -1,4 +1,4 @@
-"""Detection on simulated 3D-parallel runs (tests/simulated_traces.py) with known faults: every slow GPU
+"""Detection on simulated 3D-parallel runs (megascan/simulation/simulated_traces.py) with known faults: every slow GPU
 is named (two at once too) and nothing else, in every role; a slow link is found and no rank blamed for
 it; a hung rank is the only hung one, with the ranks behind it listed as blocked. The same case matrix
 runs at 256-1024 ranks in bench/detection_scale.py."""
@@ -6,13 +6,13 @@ runs at 256-1024 ranks in bench/detection_scale.py."""
 import json
 
 import pytest
-from detection_cases import check, scenarios
-from simulated_traces import Scenario, simulate
-from synthetic_traces import write_lines
 
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
 from megascan.online_detection import judge, summarize
+from megascan.simulation.detection_cases import check, scenarios
+from megascan.simulation.simulated_traces import Scenario, simulate
+from megascan.simulation.synthetic_traces import write_lines
 
 # (DP, TP, PP, seed): 8 to 64 ranks, pipelines of 2 to 8 stages (one without a peer in its stage: measured by
 # its compute ratio against the same layers on other stages); the seed also picks the culprits' places.

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from launch import REPO
+from helpers.launch import REPO
 
 CONTROL = REPO / "scripts/gpu_control.sh"
 USAGE = "usage: gpu_control.sh limit <gpu> <MHz> | reset <gpu> | monitor [seconds]"
@@ -225,3 +225,29 @@ def test_gpu_load_without_cuda_exits_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr == "gpu_load.py: error: no CUDA device: gpu_load.py needs a GPU\n"
     assert result.stdout == ""
+
+
+def test_gpu_load_pid_file_holds_the_pid_and_nothing_is_left_beside_it(tmp_path):
+    path = tmp_path / "load.pid"
+    path.write_text("an older run's\n")
+    gpu_load._write_pid_file(str(path))
+    assert path.read_text() == f"{os.getpid()}\n" and os.listdir(tmp_path) == ["load.pid"]
+
+
+def test_forward_delays_are_decided_per_chunk_and_forward():
+    """The slow-stage / slow-host delay of MegaScan and MegaDPP (megatron/training/fault_injection.py): each
+    chunk's forwards are counted apart, and ``when`` sees each (chunk, n) before the forward runs."""
+    from megatron.training.fault_injection import sleep_before_each_forward
+
+    chunks = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    asked = []
+
+    def when(chunk, n):
+        asked.append((chunk, n))
+        return False
+
+    sleep_before_each_forward(chunks, 1.0, when)
+    x = torch.zeros(1, 2)
+    for chunk in (0, 1, 1, 0, 1):
+        chunks[chunk](x)
+    assert asked == [(0, 0), (1, 0), (1, 1), (0, 1), (1, 2)]

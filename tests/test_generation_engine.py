@@ -7,8 +7,8 @@ draws from its own stream: alone it gets the tokens it has in the batch)."""
 import json
 
 import pytest
-from generation_server import TINY_SERVER as TINY  # the servers' tiny model: the same flags
-from launch import assert_succeeded, torchrun
+from helpers.generation_server import TINY_SERVER as TINY  # the servers' tiny model: the same flags
+from helpers.launch import assert_succeeded, torchrun
 
 LAYOUTS = {"tp1": (1, 1, 1), "tp2": (2, 1, 1), "pp2": (1, 2, 1), "tp2pp2": (2, 2, 1), "dp2": (1, 1, 2)}
 # Llama's architecture (rotary, grouped-query attention with QKV bias, SwiGLU, RMSNorm) at TP2.
@@ -22,7 +22,7 @@ def generations(tmp_path_factory):
     for name, (tp, pp, dp), extra in [*((name, layout, []) for name, layout in LAYOUTS.items()),
                                       ("llama_tp2", (2, 1, 1), LLAMA_LIKE)]:
         out = tmp_path_factory.mktemp(name) / "generation.json"
-        result = torchrun(tp * pp * dp, "tests/generation_check.py",
+        result = torchrun(tp * pp * dp, "tests/helpers/generation_check.py",
                           TINY + extra + ["--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp],
                           env={"GENERATION_CHECK_OUT": str(out)})
         assert_succeeded(result)

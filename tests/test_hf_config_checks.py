@@ -3,17 +3,13 @@ itself): each mistake in config.json, the flags or the tokenizer folder is one l
 to be a KeyError, TypeError or ZeroDivisionError trace, a misread name, or a checkpoint that failed only when
 it was loaded."""
 
-import sys
 
+import convert
 import pytest
-from launch import REPO
+from llama_config import llama_shape
+from output_dir import check_tokenizer
 
 from megatron.training.errors import ArgumentError, UserError
-
-sys.path.insert(0, str(REPO / "tools/checkpoint"))
-import convert  # noqa: E402
-from llama_config import llama_shape  # noqa: E402
-from output_dir import check_tokenizer  # noqa: E402
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,

@@ -18,8 +18,8 @@ import time
 
 import pytest
 import torch
-from hf_tokenizer import write_word_tokenizer
-from launch import (
+from helpers.hf_tokenizer import write_word_tokenizer
+from helpers.launch import (
     REPO,
     assert_succeeded,
     child_env,
@@ -30,6 +30,7 @@ from launch import (
     torchrun,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+from output_dir import written_atomically
 from safetensors.torch import load_file
 from transformers import (
     LlamaConfig,
@@ -42,9 +43,6 @@ from transformers import (
 
 from megatron.training.errors import UserError
 from megatron.training.tokenizer.build import vocab_size_with_padding
-
-sys.path.insert(0, str(REPO / "tools/checkpoint"))
-from output_dir import written_atomically
 
 VOCAB = 300  # not a multiple of 128: the converted embedding carries padding rows
 SHAPE = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4,

@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 import torch
-from hf_tokenizer import write_word_tokenizer
-from launch import assert_succeeded, run_script
+from helpers.hf_tokenizer import write_word_tokenizer
+from helpers.launch import assert_succeeded, run_script
 from safetensors import safe_open
 from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -5,7 +5,7 @@ import signal
 import sys
 
 import pytest
-from launch import REPO, TINY_GPT, gpt_data_args, run_script, run_script_cases, torchrun
+from helpers.launch import PLUGINS, REPO, TINY_GPT, gpt_data_args, run_script, run_script_cases, torchrun
 
 from megatron.training.errors import exit_on_user_error
 
@@ -127,7 +127,7 @@ def _error_lines(result, prog):
 
 def test_launch_error_is_printed_when_rank_0_is_stopped_before_its_check(tmp_path):
     # Rank 1 fails its check and exits while rank 0 is still before it; torchrun then stops rank 0.
-    env = {"MEGATRON_PLUGINS": "late_rank_zero_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+    env = {"MEGATRON_PLUGINS": "late_rank_zero_plugin", "PYTHONPATH": str(PLUGINS)}
     result = torchrun(2, "pretrain_gpt.py", TINY_GPT + MOCK + ["--fail-checks-except-on-rank-0"], env=env, timeout=300)
     assert result.returncode != 0
     assert _error_lines(result, "pretrain_gpt.py") == [
@@ -138,7 +138,7 @@ def test_launch_error_appears_in_every_launch_whole_and_alike():
     # Every rank fails at once; whichever exits first, torchrun stops the others, in each launch.
     launches, ranks = 12, 4
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda _: torchrun(ranks, "tests/launch_error_entry.py", [], timeout=120),
+        results = list(pool.map(lambda _: torchrun(ranks, "tests/helpers/launch_error_entry.py", [], timeout=120),
                                 range(launches)))
     expected = "launch_error_entry.py: error: --trace-dir /tmp/a_file exists and is not a directory"
     for result in results:

@@ -7,7 +7,9 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, child_env, free_port
+from helpers.launch import REPO, child_env
+
+from megatron.training.ports import free_port
 
 SCRIPT = """
 import os, sys

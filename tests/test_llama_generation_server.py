@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from generation_server import GenerationServer
-from launch import REPO
+from helpers.generation_server import GenerationServer
+from helpers.launch import REPO
 from test_hf_conversion import LLAMA3, _convert, _hf_model
 
 PROMPT = [5, 17, 3, 250, 42]

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import TINY_GPT, run_script
+from helpers.launch import TINY_GPT, run_script
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
 from megadpp.actions import StageLayout

@@ -6,14 +6,14 @@ and a virtual pipeline, and BERT at PP2; both policies, and an activation cap of
 Every DPP transfer arrives with a random delay (--dpp-jitter-ms, a different seed per launch), so the runs
 also check that no order of arrivals deadlocks the schedule.
 
-One torchrun launch per layout runs all its schedules from the same start (tests/dpp_equivalence_entry.py).
+One torchrun launch per layout runs all its schedules from the same start (tests/helpers/dpp_equivalence_entry.py).
 """
 
 import json
 import re
 
 import pytest
-from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, torchrun
+from helpers.launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, torchrun
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
 ITERATIONS = 10
@@ -47,7 +47,7 @@ def _data_flags(entry, gpt_data, bert_data):
 @pytest.mark.parametrize("launch", list(LAUNCHES))
 def test_dpp_matches_static_schedule(launch, gpt_data, bert_data, tmp_path):
     nproc, entry, schedules, layout = LAUNCHES[launch]
-    result = torchrun(nproc, "tests/dpp_equivalence_entry.py",
+    result = torchrun(nproc, "tests/helpers/dpp_equivalence_entry.py",
                       ["--entry", entry, "--schedules", schedules, "--iterations", ITERATIONS,
                        "--schedule-log-prefix", tmp_path / "log"]
                       + TINY_GPT + _data_flags(entry, gpt_data, bert_data)

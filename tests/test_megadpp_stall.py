@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
-from launch import REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, torchrun_command
+from helpers.launch import REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, torchrun_command
 
 TIMEOUT_S = 3
 

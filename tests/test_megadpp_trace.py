@@ -8,8 +8,8 @@ import json
 import subprocess
 import sys
 
-from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, torchrun
-from megascan_runs import read_trace_file
+from helpers.launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, torchrun
+from helpers.megascan_runs import read_trace_file
 
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect

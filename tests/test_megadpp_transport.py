@@ -7,12 +7,12 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO, assert_succeeded, torchrun
+from helpers.launch import REPO, assert_succeeded, torchrun
 
 from megadpp.transport import cuda_ipc_available
 from megadpp.transport._shm import segment_bytes
 
-WORKER = "tests/transport_worker.py"
+WORKER = "tests/helpers/transport_worker.py"
 SHM = "/dev/shm"
 
 

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 import torch
-from launch import (
+from helpers.launch import (
+    PLUGINS,
     REPO,
     TINY_GPT,
     assert_succeeded,
@@ -169,7 +170,7 @@ def test_staleness_1_ending_after_a_check_step_checks_each_step_against_its_own_
 
 
 def test_weights_that_drift_apart_stop_the_run_with_one_line_naming_the_stage(gpt_data):
-    env = {"MEGATRON_PLUGINS": "weight_drift_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+    env = {"MEGATRON_PLUGINS": "weight_drift_plugin", "PYTHONPATH": str(PLUGINS)}
     result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + RECOMPUTE + FBD + [
         "--train-iters", "3", "--drift-weights-at-iteration", "3"], env=env)
     assert result.returncode != 0

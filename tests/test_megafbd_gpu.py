@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
+from helpers.launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
 
 from megascan.aggregate.merged_trace import load_and_merge
 

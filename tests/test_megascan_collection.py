@@ -4,8 +4,8 @@ does not change the losses, and bad tracing flags stop the run at start with one
 import concurrent.futures
 
 import pytest
-from launch import TINY_GPT, gpt_data_args, lm_losses, run_script, torchrun
-from megascan_runs import read_trace_file, traced_run
+from helpers.launch import TINY_GPT, gpt_data_args, lm_losses, run_script, torchrun
+from helpers.megascan_runs import read_trace_file, traced_run
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "6"]
 

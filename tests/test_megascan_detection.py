@@ -8,7 +8,8 @@ import sys
 import time
 
 import pytest
-from launch import (
+from helpers.launch import (
+    PLUGINS,
     REPO,
     TINY_GPT,
     child_env,
@@ -17,7 +18,7 @@ from launch import (
     running_with_argument,
     torchrun_command,
 )
-from megascan_runs import LAYOUTS, read_trace_file, traced_run
+from helpers.megascan_runs import LAYOUTS, read_trace_file, traced_run
 
 from megascan.aggregate import load_and_merge
 from megascan.detection import detect
@@ -55,7 +56,7 @@ def test_detection_exit_stops_the_job_after_the_alerting_window(gpt_data, tmp_pa
                         extra=["--inject-slowdown-rank", "1", "--inject-slowdown-factor", "4", "--trace-detect",
                                "--trace-detect-exit", "--trace-detect-hook", "alert_hook:record",
                                "--save", str(tmp_path / "ckpt"), "--save-interval", "100"],
-                        env={"PYTHONPATH": str(REPO / "tests/plugins"), "MEGASCAN_ALERT_FILE": str(alerts_file)})
+                        env={"PYTHONPATH": str(PLUGINS), "MEGASCAN_ALERT_FILE": str(alerts_file)})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "MegaScan: stopping training after iteration 3 (--trace-detect-exit)" in result.stdout
     assert (tmp_path / "ckpt/latest_checkpointed_iteration.txt").read_text().strip() == "3"

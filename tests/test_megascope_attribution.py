@@ -8,17 +8,17 @@ import json
 
 import pytest
 import torch
-from launch import REPO, run_script
-from megascope_model import TINY_MODEL_FLAGS
-from megascope_run import CHOSEN, PROMPT_TOKENS
-from megascope_runs import REFERENCE, runs_root, saved
+from helpers.launch import REPO, run_script
+from helpers.megascope_model import TINY_MODEL_FLAGS
+from helpers.megascope_run import CHOSEN, PROMPT_TOKENS
+from helpers.megascope_runs import REFERENCE, runs_root, saved
 
 from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
 
 
 def test_float64_parts_add_up_to_the_logit_and_equal_the_reference_for_rmsnorm_and_layernorm():
-    done = run_script("tests/attribution_reference.py", TINY_MODEL_FLAGS,
+    done = run_script("tests/helpers/attribution_reference.py", TINY_MODEL_FLAGS,
                       env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, timeout=300)
     assert done.returncode == 0, done.stderr[-5000:]
     checked = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]

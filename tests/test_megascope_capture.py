@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from megascope_runs import REFERENCE, runs_root, saved
+from helpers.megascope_runs import REFERENCE, runs_root, saved
 
 DECODE_AT = 9
 

@@ -13,8 +13,10 @@ import subprocess
 import threading
 
 import pytest
-from generation_server import TINY_SERVER, GenerationServer
-from launch import REPO, TINY_GPT, child_env, free_port, kill_process_tree, torchrun_command
+from helpers.generation_server import TINY_SERVER, GenerationServer
+from helpers.launch import REPO, TINY_GPT, child_env, kill_process_tree, torchrun_command
+
+from megatron.training.ports import free_port
 
 PAGE = REPO / "tools" / "visualization" / "transformer-visualize"
 NPM = shutil.which("npm")

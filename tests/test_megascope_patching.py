@@ -6,8 +6,8 @@ computes what one rank does. Bad patches are ProtocolErrors naming the field."""
 
 import pytest
 import torch
-from megascope_patching_phases import LAST
-from megascope_runs import REFERENCE, runs_root, saved
+from helpers.megascope_patching_phases import LAST
+from helpers.megascope_runs import REFERENCE, runs_root, saved
 
 from megascope.errors import ProtocolError
 from megascope.patching import parse_patches

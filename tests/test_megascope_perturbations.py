@@ -5,8 +5,8 @@ perturbations are ProtocolErrors naming the field."""
 
 import pytest
 import torch
-from megascope_perturbation_phases import CONSTANT_FELT, CONSTANT_REMOVED
-from megascope_runs import REFERENCE, runs_root, saved
+from helpers.megascope_perturbation_phases import CONSTANT_FELT, CONSTANT_REMOVED
+from helpers.megascope_runs import REFERENCE, runs_root, saved
 
 from megascope.errors import ProtocolError
 from megascope.perturbations import Perturbation, apply_noise, draw_noise

@@ -11,12 +11,13 @@ import threading
 
 import pytest
 import websockets
-from launch import REPO, child_env, free_port, kill_process_tree, torchrun, torchrun_command
+from helpers.launch import REPO, child_env, kill_process_tree, torchrun, torchrun_command
 from websockets.sync.client import connect
 
 from megascope import PLUGIN
 from megascope.wire import decode_data_frame
 from megatron.training.errors import ArgumentError
+from megatron.training.ports import free_port
 
 TRAIN = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
          "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",

@@ -7,16 +7,7 @@ import numpy as np
 import pytest
 
 from megascope.errors import ProtocolError
-from megascope.wire import (
-    TRAINING_TYPES,
-    Limits,
-    check_limits,
-    decode_data_frame,
-    encode_data_frame,
-    encode_message,
-    parse_message,
-    parse_rest_request,
-)
+from megascope.wire import TRAINING_TYPES, decode_data_frame, encode_data_frame, encode_message, parse_message
 
 
 def refused(text, **kwargs):
@@ -68,27 +59,6 @@ def test_modes_take_their_own_types():
     assert parse_message('{"type": "train", "action": "step", "n": 3}', TRAINING_TYPES)["n"] == 3
     assert refused('{"type": "train", "action": "jump"}', allowed_types=TRAINING_TYPES) == ("bad_field", "action")
     assert refused('{"type": "train", "action": "pause", "n": 2}', allowed_types=TRAINING_TYPES) == ("bad_field", "n")
-
-
-def test_limits():
-    request = parse_message('{"type": "generate", "prompts": ["a", "b"], "tokens_to_generate": 40}')
-    check_limits(request, Limits(), 100)
-    with pytest.raises(ProtocolError, match="at most 30"):
-        check_limits(request, Limits(), 30)
-    with pytest.raises(ProtocolError, match="prompts"):
-        check_limits(request, Limits(max_prompts=1), 100)
-
-
-def test_rest_request():
-    request = parse_rest_request({"prompts": ["x"], "stop_token": 7, "logprobs": True})
-    assert request["stop_tokens"] == [7] and request["random_seed"] is None and request["tokens_to_generate"] == 64
-    for body, field in [({"prompts": ["x"], "beam_width": 2}, "beam_width"),
-                        ({"prompts": ["x"], "tokens_to_generate": 0}, "tokens_to_generate"),
-                        ({"prompts": ["x"], "random_seed": -2}, "random_seed"),
-                        ({"prompts": ["x"], "id": 3}, "id")]:
-        with pytest.raises(ProtocolError) as caught:
-            parse_rest_request(body)
-        assert caught.value.field == field
 
 
 def test_data_frame_matches_the_documented_bytes():

@@ -11,8 +11,9 @@ import websockets
 from websockets.asyncio.client import connect
 
 from megascope.errors import ProtocolError
-from megascope.wire import Limits, decode_data_frame, encode_data_frame
+from megascope.wire import decode_data_frame, encode_data_frame
 from megascope.ws_server import WebSocketServer
+from megatron.inference.limits import Limits
 from megatron.training.errors import UserError
 
 

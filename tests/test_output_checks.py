@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from launch import REPO
+from helpers.launch import REPO
 
 from megadpp.arguments import add_arguments as add_dpp_arguments
 from megadpp.arguments import validate_args as validate_dpp_args

@@ -9,7 +9,7 @@ TP1/PP1 losses up to float reassociation.
 import functools
 
 import pytest
-from launch import TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
+from helpers.launch import TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
 
 ITERATIONS = 12
 COMPARED_ITERATIONS = 4

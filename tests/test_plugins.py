@@ -2,9 +2,9 @@
 
 import json
 
-from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, run_script, torchrun
+from helpers.launch import PLUGINS, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, run_script, torchrun
 
-PLUGIN_ENV = {"MEGATRON_PLUGINS": "recording_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+PLUGIN_ENV = {"MEGATRON_PLUGINS": "recording_plugin", "PYTHONPATH": str(PLUGINS)}
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]
 
 
@@ -44,7 +44,7 @@ def test_unknown_plugin_module_is_one_line():
 
 def test_a_run_that_fails_with_loader_workers_alive_exits(gpt_data):
     # Loader workers ignore SIGTERM; without care, exiting on an exception waits for them forever.
-    env = {"MEGATRON_PLUGINS": "failing_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+    env = {"MEGATRON_PLUGINS": "failing_plugin", "PYTHONPATH": str(PLUGINS)}
     flags = TINY_GPT + gpt_data_args(gpt_data) + ["--train-iters", "5", "--num-workers", "2",
                                                   "--fail-at-iteration", "2"]
     result = run_script("pretrain_gpt.py", flags, env=env, timeout=90)

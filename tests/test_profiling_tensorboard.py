@@ -5,7 +5,7 @@ import json
 import re
 
 import pytest
-from launch import REPO, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, run_script, torchrun
+from helpers.launch import PLUGINS, TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, run_script, torchrun
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 PER_ITERATION_TAGS = {"lm loss", "learning-rate", "grad-norm", "batch-size"}
@@ -72,7 +72,7 @@ def test_pytorch_profiler_writes_a_trace_and_a_summary_for_the_chosen_rank_only(
 
 
 def test_sigterm_writes_the_pending_scalars_before_exit(tmp_path):
-    env = {"MEGATRON_PLUGINS": "failing_plugin", "PYTHONPATH": str(REPO / "tests/plugins")}
+    env = {"MEGATRON_PLUGINS": "failing_plugin", "PYTHONPATH": str(PLUGINS)}
     result = run_script("pretrain_gpt.py", TINY_GPT + [
         "--mock-data", "--vocab-size", "1000", "--train-iters", "8", "--log-interval", "8",
         "--sigterm-at-iteration", "2", "--tensorboard-dir", tmp_path], env=env)

@@ -16,14 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets
-from generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
-from launch import REPO, free_port, run_script
-from readme_commands import as_launched, readme_commands
+from helpers.generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
+from helpers.launch import REPO, run_script
+from helpers.readme_commands import as_launched, readme_commands
 
 from megascope.client import MegaScopeClient, MegaScopeError
 from megascope.wire import decode_data_frame
 from megatron.inference.model_setup import setup_for_generation
 from megatron.training.errors import ArgumentError
+from megatron.training.ports import free_port
 
 TOKEN = "test-token"
 PROMPTS = ["Hello world, this is", "The"]

@@ -14,10 +14,11 @@ import json
 import os
 import re
 import sys
-import tempfile
 from pydoc_data.topics import topics
 
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+from megatron.training.atomic_file import replaced_on_success
 
 # 8192 = 64 * 128: a multiple of --make-vocab-size-divisible-by 128 times a tensor-parallel size of
 # 1, 2, 4 (or 8, 16, 32, 64), so the model's embedding needs no padding rows for those sizes.
@@ -114,15 +115,8 @@ def _wordpiece(token):
 def write_atomically(path, text):
     """Write ``text`` to ``path`` through a temporary file renamed into place: never half-written."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
+    with replaced_on_success(path) as temporary, open(temporary, "w", encoding="utf-8", newline="\n") as file:
+        file.write(text)
 
 
 def main(argv=None):

@@ -7,22 +7,21 @@ sentences are separate sequences of one document), with Megatron-LM's flags and 
 The files appear only when complete: they are written under temporary names beside them.
 """
 
+import contextlib
 import json
 import multiprocessing
 import os
 import re
 import sys
-import tempfile
 import time
 
-# Run as a script from anywhere: the repository root holds the megatron.training package.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
-import numpy  # noqa: E402
+import numpy
 
 # Only light modules here: megatron-core (under megatron.training.tokenizer too) takes seconds to
 # import, so preprocess() imports it after the checks of the flags, the input and the output folder.
-from megatron.training.arguments import MegatronArgumentParser  # noqa: E402
-from megatron.training.errors import UserError  # noqa: E402
+from megatron.training.arguments import MegatronArgumentParser
+from megatron.training.atomic_file import replaced_on_success
+from megatron.training.errors import UserError
 
 PROG = "preprocess_data.py"
 
@@ -136,42 +135,6 @@ def numbered_lines(file):
     return ((number, line) for number, line in enumerate(file, start=1) if line.strip())
 
 
-class AtomicDatasetFiles:
-    """The .bin/.idx pair of one output prefix, built under temporary names in its directory and
-    renamed into place by ``publish``; ``discard`` removes the temporaries and nothing else."""
-
-    def __init__(self, prefix, new_builder):
-        self.prefix = prefix
-        directory, name = os.path.split(prefix)
-        self.temporary, self.builder = {}, None
-        try:
-            for suffix in (".bin", ".idx"):
-                descriptor, self.temporary[suffix] = tempfile.mkstemp(
-                    dir=directory or ".", prefix=f".{name}{suffix}.", suffix=".tmp")
-                os.close(descriptor)
-        except OSError:
-            self.discard()  # the .bin temporary when only the .idx one failed
-            raise
-        self.builder = new_builder(self.temporary[".bin"])
-
-    def finalize(self):
-        self.builder.finalize(self.temporary[".idx"])
-
-    def publish(self):
-        for suffix, temporary in self.temporary.items():
-            os.chmod(temporary, 0o644)  # mkstemp creates 0600; outputs are ordinary files
-            os.replace(temporary, self.prefix + suffix)
-        self.temporary = {}
-
-    def discard(self):
-        if self.builder is not None:
-            self.builder.data_file.close()
-        for temporary in self.temporary.values():
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-        self.temporary = {}
-
-
 class ProgressLog:
     """'Processed N documents (X docs/s, Y MB/s).' every ``interval`` documents and at the end."""
 
@@ -215,30 +178,32 @@ def preprocess(args, input_file):
     dtype = DType.optimal_dtype(tokenizer.vocab_size)
     encoder = DocumentEncoder(tokenizer, args, dtype)
     make_output_directory(args.output_prefix)  # only now: a failed flag check above leaves no directory
-    outputs = []
-    try:
+    prefixes = [output_prefix(args, key) for key in args.json_keys]
+    # Every .bin/.idx is written under a temporary name beside it; all are renamed into place when every one
+    # is complete (the exit of ``published``), and removed, with nothing else, when anything fails.
+    with contextlib.ExitStack() as published:
         try:
-            for key in args.json_keys:
-                outputs.append(AtomicDatasetFiles(
-                    output_prefix(args, key), lambda path: IndexedDatasetBuilder(path, dtype=dtype)))
+            temporaries = [{suffix: published.enter_context(replaced_on_success(prefix + suffix))
+                            for suffix in (".bin", ".idx")} for prefix in prefixes]
         except OSError as error:  # the temporary file's hidden name would mean nothing to the user
             raise InputError(f"--output-prefix {args.output_prefix}: cannot write in "
                              f"{os.path.dirname(args.output_prefix) or '.'} ({error.strerror}); "
                              f"choose a writable location") from None
+        builders = []
+        for paths in temporaries:
+            builders.append(IndexedDatasetBuilder(paths[".bin"], dtype=dtype))
+            # closed before its temporary is renamed or removed (finalize has closed it on success)
+            published.callback(builders[-1].data_file.close)
         progress = ProgressLog(args.log_interval)
         for encoded, line_bytes in encoded_documents(encoder, numbered_lines(input_file), args.workers):
-            for output, (ids, lengths) in zip(outputs, encoded):
-                output.builder.add_document(ids, lengths)
+            for builder, (ids, lengths) in zip(builders, encoded):
+                builder.add_document(ids, lengths)
             progress.add(line_bytes)
         progress.report()
-        for output in outputs:
-            output.finalize()
-        for output in outputs:
-            output.publish()
-            print(f"Wrote {output.prefix}.bin and {output.prefix}.idx")
-    finally:
-        for output in outputs:
-            output.discard()
+        for builder, paths in zip(builders, temporaries):
+            builder.finalize(paths[".idx"])
+    for prefix in prefixes:
+        print(f"Wrote {prefix}.bin and {prefix}.idx")
 
 
 def open_input(path):

@@ -16,22 +16,22 @@ import signal
 import sys
 import threading
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
-import torch  # noqa: E402
+import torch
 
-import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
-import pretrain_gpt  # noqa: E402
-from megascope.inference_session import InferenceSession, ScopeObserver, apply_perturbations  # noqa: E402
-from megascope.wire import Limits  # noqa: E402
-from megascope.ws_server import WebSocketServer  # noqa: E402
-from megatron.inference.engine import GenerationEngine  # noqa: E402
-from megatron.inference.model_setup import setup_for_generation  # noqa: E402
-from megatron.inference.prompts import PromptEncoder, load_chat_template  # noqa: E402
-from megatron.inference.rest_api import serve_rest  # noqa: E402
-from megatron.inference.service import GenerationService  # noqa: E402
-from megatron.training.errors import ArgumentError, UserError, exit_on_user_error  # noqa: E402
-from megatron.training.initialize import shutdown  # noqa: E402
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
+import pretrain_gpt
+from megascope.inference_session import InferenceSession, ScopeObserver, apply_perturbations
+from megascope.ws_server import WebSocketServer
+from megatron.inference.engine import GenerationEngine
+from megatron.inference.limits import Limits
+from megatron.inference.model_setup import setup_for_generation
+from megatron.inference.prompts import PromptEncoder, load_chat_template
+from megatron.inference.rest_api import serve_rest
+from megatron.inference.service import GenerationService
+from megatron.training.errors import ArgumentError, UserError, exit_on_user_error
+from megatron.training.initialize import shutdown
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 PAGE_BUILD = os.path.join(REPO, "tools", "visualization", "transformer-visualize", "dist")
 

@@ -1,7 +1,12 @@
 """The interface every transport implements, and the event its observer receives."""
 
+from __future__ import annotations
+
 import abc
 import dataclasses
+from collections.abc import Callable
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -16,6 +21,10 @@ class TransferEvent:
     start_ns: int    # isend/irecv was called (time.perf_counter_ns clock)
     end_ns: int      # the transfer was seen complete
     label: object = None  # what the caller set on the handle (the transport itself gives it no meaning)
+
+
+# Called once per completed transfer (MegaScan records the transfers that bypass torch.distributed).
+TransferObserver = Callable[[TransferEvent], None]
 
 
 class Handle(abc.ABC):
@@ -34,7 +43,7 @@ class Handle(abc.ABC):
         """When the transfer completed (time.perf_counter_ns clock); meaningful once it has."""
 
     @abc.abstractmethod
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
         """Block until done and return the tensor (received, or the one sent). ``timeout`` in seconds:
         TimeoutError when it passes first."""
 
@@ -45,19 +54,19 @@ class Transport(abc.ABC):
     rank: int
 
     @abc.abstractmethod
-    def isend(self, tensor, peer, tag=0) -> Handle:
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         """Queue ``tensor`` (any dtype, shape, layout; it must not change until the handle completes)."""
 
     @abc.abstractmethod
-    def irecv(self, peer, tag=0) -> Handle:
+    def irecv(self, peer: int, tag: int = 0) -> Handle:
         """Ask for the next message from ``peer`` with ``tag``."""
 
     @abc.abstractmethod
-    def close(self):
+    def close(self) -> None:
         """Stop the transport's threads and release its memory; idempotent."""
 
-    def __enter__(self):
+    def __enter__(self) -> Transport:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

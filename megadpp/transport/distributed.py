@@ -8,15 +8,18 @@ it, one for the sends. They receive only while a posted receive waits for its me
 is left pending with nothing to match it.
 """
 
+from __future__ import annotations
+
 import collections
 import queue
 import threading
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
-from megadpp.transport.base import Handle, TransferEvent, Transport
+from megadpp.transport.base import Handle, TransferEvent, TransferObserver, Transport
 from megadpp.transport.native import TransportSetupError
 
 MAX_DIMS = 16
@@ -27,7 +30,7 @@ DTYPES = [getattr(torch, name) for name in (
 DTYPE_INDEX = {dtype: index for index, dtype in enumerate(DTYPES)}
 
 
-def as_bytes(tensor):
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor: one wire format for every dtype (gloo has no bool or fp8)."""
     return tensor.reshape(-1).view(torch.uint8)
 
@@ -54,9 +57,12 @@ class _Transfer:
 
 
 class DistributedHandle(Handle):
+    """A send or receive completed by one of the transport's threads; reports itself to the observer once."""
+
     __slots__ = ("_transport", "_transfer", "_op", "peer", "_sent", "_reported", "label")
 
-    def __init__(self, transport, transfer, op, peer, sent=None):
+    def __init__(self, transport: DistributedTransport, transfer: _Transfer, op: str, peer: int,
+                 sent: torch.Tensor | None = None):
         self._transport = transport
         self._transfer = transfer
         self._op = op
@@ -65,17 +71,17 @@ class DistributedHandle(Handle):
         self._reported = False
         self.label = None
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         if not self._transfer.done.is_set():
             return False
         self._finish()
         return True
 
     @property
-    def end_ns(self):
+    def end_ns(self) -> int:
         return self._transfer.end_ns
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
         if not self._transfer.done.wait(timeout):
             raise TimeoutError(f"megadpp transport: {self._op} with rank {self.peer} "
                                f"(tag {self._transfer.tag}) not done after {timeout} s")
@@ -103,7 +109,10 @@ class _Inbox:
 
 
 class DistributedTransport(Transport):
-    def __init__(self, rank, peers, *, group=None, device=None, observer=None):
+    """torch.distributed point-to-point between this rank and ``peers`` (global ranks), on gloo."""
+
+    def __init__(self, rank: int, peers: Iterable[int], *, group: dist.ProcessGroup | None = None,
+                 device: torch.device | str | None = None, observer: TransferObserver | None = None):
         if dist.get_backend(group) == "nccl":
             # NCCL runs a pair's sends and receives in order on one stream: a receive posted ahead holds back
             # this rank's later sends to that peer. Its GPU check hung (docs/megadpp.md): refused, not risked.
@@ -125,7 +134,7 @@ class DistributedTransport(Transport):
         for thread in self._threads:
             thread.start()
 
-    def isend(self, tensor, peer, tag=0):
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         if tensor.dim() > MAX_DIMS or tensor.dtype not in DTYPE_INDEX:
             raise ValueError(f"megadpp transport: cannot send a {tensor.dim()}-d {tensor.dtype} tensor")
         header = torch.zeros(HEADER_WORDS, dtype=torch.int64)
@@ -141,7 +150,7 @@ class DistributedTransport(Transport):
         self._sends.put((transfer, works))
         return DistributedHandle(self, transfer, "send", peer, sent=tensor)
 
-    def irecv(self, peer, tag=0):
+    def irecv(self, peer: int, tag: int = 0) -> Handle:
         inbox = self._inboxes[peer]
         with self._lock:
             if inbox.arrived[tag]:
@@ -153,7 +162,7 @@ class DistributedTransport(Transport):
                 self._lock.notify_all()
         return DistributedHandle(self, transfer, "recv", peer)
 
-    def close(self):
+    def close(self) -> None:
         """Stop the threads that are idle; one blocked on a message that never comes is a daemon.
         torch.distributed owns the communicators."""
         with self._lock:

@@ -1,11 +1,16 @@
 """Build a transport: one factory per kind, and ``create_transport`` that picks from the launch flags."""
 
+from __future__ import annotations
+
+import argparse
 import os
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
 from megadpp.transport import node
+from megadpp.transport.base import TransferObserver, Transport
 from megadpp.transport.native import TransportSetupError
 from megadpp.transport.routed import RoutedTransport
 
@@ -17,9 +22,10 @@ DEFAULT_CUDA_SLOT_BYTES = 16 << 20
 DEFAULT_WORKLOAD = 4 << 20  # bytes one copy thread handles; a slot of 4 MiB is copied by one thread
 
 
-def shared_memory_transport(rank, peers, *, store=None, name="megadpp", slots=DEFAULT_SLOTS,
-                            slot_bytes=DEFAULT_SLOT_BYTES, workload=DEFAULT_WORKLOAD, shm_limit_bytes=None,
-                            observer=None, timeout=300.0):
+def shared_memory_transport(rank: int, peers: Iterable[int], *, store: dist.Store | None = None,
+                            name: str = "megadpp", slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                            workload: int = DEFAULT_WORKLOAD, shm_limit_bytes: int | None = None,
+                            observer: TransferObserver | None = None, timeout: float = 300.0) -> Transport:
     """Processes of one node. ``peers``: the ranks this rank exchanges with (a channel each way).
     ``store``: a torch.distributed Store for the segment names (default: the default group's);
     ``name`` keeps several transports of one run apart; ``shm_limit_bytes`` caps what may be
@@ -28,15 +34,19 @@ def shared_memory_transport(rank, peers, *, store=None, name="megadpp", slots=DE
                               workload=workload, shm_limit_bytes=shm_limit_bytes, observer=observer, timeout=timeout)
 
 
-def cuda_ipc_transport(rank, peers, *, device=None, store=None, name="megadpp", slots=DEFAULT_SLOTS,
-                       slot_bytes=DEFAULT_CUDA_SLOT_BYTES, shm_limit_bytes=None, observer=None, timeout=300.0):
+def cuda_ipc_transport(rank: int, peers: Iterable[int], *, device: int | None = None, store: dist.Store | None = None,
+                       name: str = "megadpp", slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_CUDA_SLOT_BYTES,
+                       shm_limit_bytes: int | None = None, observer: TransferObserver | None = None,
+                       timeout: float = 300.0) -> Transport:
     """GPU tensors of processes of one node (they may share one GPU); ``device``: this rank's GPU
     (default: the current one). Options as for ``shared_memory_transport``."""
     return node.cuda_ipc(rank, peers, device=device, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
                          shm_limit_bytes=shm_limit_bytes, observer=observer, timeout=timeout)
 
 
-def distributed_transport(rank, peers, *, group=None, device=None, observer=None):
+def distributed_transport(rank: int, peers: Iterable[int], *, group: dist.ProcessGroup | None = None,
+                          device: torch.device | str | None = None,
+                          observer: TransferObserver | None = None) -> Transport:
     """torch.distributed isend/irecv on gloo (CPU tensors; NCCL is refused in one line); ``device`` holds
     received tensors (default: CPU). ``rank`` and ``peers`` are global ranks."""
     from megadpp.transport.distributed import DistributedTransport
@@ -44,21 +54,22 @@ def distributed_transport(rank, peers, *, group=None, device=None, observer=None
     return DistributedTransport(rank, peers, group=group, device=device, observer=observer)
 
 
-def cuda_ipc_available():
+def cuda_ipc_available() -> bool:
     """Whether this install has the CUDA IPC part (built where CUDA was) and a GPU is visible."""
     from megadpp.transport import native
 
     return native._cuda_ipc is not None and torch.cuda.is_available()
 
 
-def ranks_per_node(args, world_size):
+def ranks_per_node(args: argparse.Namespace, world_size: int) -> int:
     """``--node-ips`` (one address per node) splits the ranks evenly; otherwise torchrun's LOCAL_WORLD_SIZE."""
     if getattr(args, "node_ips", None):
         return max(1, world_size // len(args.node_ips.split(",")))
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
-def create_transport(args, peers, observer=None):
+def create_transport(args: argparse.Namespace, peers: Iterable[int],
+                     observer: TransferObserver | None = None) -> Transport:
     """The transport a run's flags ask for: peers on this node over shared memory (CPU) or CUDA IPC
     (GPU: without the CUDA IPC part built, a one-line TransportSetupError says how to build it); with
     ``--multi-node``, CPU peers on other nodes over torch.distributed (GPU peers there are refused: see

@@ -1,11 +1,15 @@
 """The compiled part of the transport (csrc/megadpp_transport) and the handle over its requests."""
 
+from __future__ import annotations
+
 import importlib
 import os
+from types import ModuleType
+from typing import Any
 
 import torch  # first: loads libc10/libtorch, which the CUDA IPC extension links against
 
-from megadpp.transport.base import Handle, TransferEvent
+from megadpp.transport.base import Handle, TransferEvent, TransferObserver
 from megatron.training.errors import UserError
 
 
@@ -41,14 +45,16 @@ if _cuda_ipc is None:
               "torch.distributed transports only", flush=True)
 
 
-def shm_module():
+def shm_module() -> ModuleType:
+    """The shared-memory part of the extension; TransportSetupError saying how to build it when missing."""
     if _shm is None:
         raise TransportSetupError(f"megadpp transport: the shared-memory part of the C++ extension is {_SHM_MISSING}; "
                                   f"{BUILD_HINT}")
     return _shm
 
 
-def cuda_ipc_module():
+def cuda_ipc_module() -> ModuleType:
+    """The CUDA IPC part of the extension; TransportSetupError saying how to build it when missing."""
     if _cuda_ipc is None:
         raise TransportSetupError(f"megadpp transport: the CUDA IPC part, which moves DPP's tensors between the GPUs "
                                   f"of a node, is {_CUDA_IPC_MISSING}; {BUILD_HINT} on a machine with CUDA's "
@@ -61,7 +67,8 @@ class NativeHandle(Handle):
 
     __slots__ = ("_request", "_op", "peer", "_observer", "_sent", "_taken", "label")
 
-    def __init__(self, request, op, peer, observer, sent=None):
+    def __init__(self, request: Any, op: str, peer: int, observer: TransferObserver | None,
+                 sent: torch.Tensor | None = None):
         self._request = request
         self._op = op
         self.peer = peer
@@ -70,17 +77,17 @@ class NativeHandle(Handle):
         self._taken = False  # a received tensor is marked as used on the taker's stream once
         self.label = None
 
-    def is_completed(self):
+    def is_completed(self) -> bool:
         if not self._request.is_completed():
             return False
         self._finish()
         return True
 
     @property
-    def end_ns(self):
+    def end_ns(self) -> int:
         return self._request.end_ns
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
         if not self._request.wait(-1.0 if timeout is None else float(timeout)):
             raise TimeoutError(f"megadpp transport: {self._op} with rank {self.peer} (tag {self._request.tag}) "
                                f"not done after {timeout} s")

@@ -2,18 +2,23 @@
 shared-memory one (CPU tensors) and the CUDA IPC one (GPU tensors). Both agree on segment names
 through a torch.distributed Store and unlink every segment once its receiver has it open."""
 
+from __future__ import annotations
+
 import weakref
+from collections.abc import Iterable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megadpp.transport.base import Transport
+from megadpp.transport.base import Handle, TransferObserver, Transport
 from megadpp.transport.native import NativeHandle, TransportSetupError, cuda_ipc_module, shm_module
 from megadpp.transport.rendezvous import channel_key, check_shm_room, default_store, segment_name
 
 MAX_COPY_THREADS = 8
 
 
-def copy_threads_for(slot_bytes, workload):
+def copy_threads_for(slot_bytes: int, workload: int) -> int:
     """Threads besides the channel's own that copy one slot: one per ``workload`` bytes."""
     if workload <= 0:
         raise TransportSetupError(f"megadpp transport: --workload must be a positive number of bytes (got {workload})")
@@ -24,8 +29,9 @@ class NodeTransport(Transport):
     """``native``: a ShmTransport or CudaIpcTransport of the extension; ``segment_bytes``: what one
     channel takes of /dev/shm."""
 
-    def __init__(self, native, segment_bytes, rank, peers, *, store, name, slots, slot_bytes, shm_limit_bytes,
-                 observer, timeout):
+    def __init__(self, native: Any, segment_bytes: int, rank: int, peers: Iterable[int], *, store: dist.Store | None,
+                 name: str, slots: int, slot_bytes: int, shm_limit_bytes: int | None,
+                 observer: TransferObserver | None, timeout: float):
         self.rank = rank
         self.peers = sorted(set(peers) - {rank})
         self.observer = observer
@@ -48,24 +54,28 @@ class NodeTransport(Transport):
             raise TransportSetupError(str(error)) from None
         native.start()
 
-    def isend(self, tensor, peer, tag=0):
+    def isend(self, tensor: torch.Tensor, peer: int, tag: int = 0) -> Handle:
         return NativeHandle(self._native.isend(tensor, peer, tag), "send", peer, self.observer, tensor)
 
-    def irecv(self, peer, tag=0):
+    def irecv(self, peer: int, tag: int = 0) -> Handle:
         return NativeHandle(self._native.irecv(peer, tag), "recv", peer, self.observer)
 
-    def close(self):
+    def close(self) -> None:
         self._closer()
 
 
-def shared_memory(rank, peers, *, slots, slot_bytes, workload, **options):
+def shared_memory(rank: int, peers: Iterable[int], *, slots: int, slot_bytes: int, workload: int,
+                  **options: Any) -> NodeTransport:
+    """The shared-memory transport (CPU tensors); ``options``: NodeTransport's keyword arguments."""
     shm = shm_module()
     native = shm.ShmTransport(workload, copy_threads_for(slot_bytes, workload))
     return NodeTransport(native, shm.segment_bytes(slots, slot_bytes), rank, peers, slots=slots,
                          slot_bytes=slot_bytes, **options)
 
 
-def cuda_ipc(rank, peers, *, device, slots, slot_bytes, **options):
+def cuda_ipc(rank: int, peers: Iterable[int], *, device: int | None, slots: int, slot_bytes: int,
+             **options: Any) -> NodeTransport:
+    """The CUDA IPC transport (GPU tensors); ``options``: NodeTransport's keyword arguments."""
     cuda = cuda_ipc_module()  # first: on a build without CUDA this is the one line to show
     device = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
     return NodeTransport(cuda.CudaIpcTransport(device), cuda.segment_bytes(slots), rank, peers, slots=slots,

@@ -1,5 +1,7 @@
 """Agreeing on segment names through a torch.distributed Store, and checking /dev/shm has room."""
 
+from __future__ import annotations
+
 import os
 import secrets
 
@@ -11,23 +13,25 @@ SHM_DIR = "/dev/shm"
 SEGMENT_PREFIX = "megadpp-"
 
 
-def default_store():
+def default_store() -> dist.Store:
+    """The default process group's Store; TransportSetupError before torch.distributed is initialized."""
     if not dist.is_initialized():
         raise TransportSetupError("megadpp transport: torch.distributed is not initialized; pass a store")
     return dist.distributed_c10d._get_default_store()
 
 
-def segment_name(rank, peer):
+def segment_name(rank: int, peer: int) -> str:
     """Per run and per process: the creator's pid and a random token, so no two runs (or two
     transports of one run) can meet on a name, and a test can tell a run's segments apart."""
     return f"/{SEGMENT_PREFIX}{os.getpid()}-{rank}to{peer}-{secrets.token_hex(4)}"
 
 
-def channel_key(name, src, dst):
+def channel_key(name: str, src: int, dst: int) -> str:
+    """The Store key under which ``src`` publishes its segment name for the channel to ``dst``."""
     return f"{name}/channel/{src}->{dst}"
 
 
-def check_shm_room(needed, channels, limit=None):
+def check_shm_room(needed: int, channels: int, limit: int | None = None) -> None:
     """Fail in one line, naming the size needed, before creating anything."""
     stat = os.statvfs(SHM_DIR)
     free = stat.f_bavail * stat.f_frsize

@@ -16,10 +16,16 @@ milliseconds apart), fitted rates would turn noise into thousands of ppm of "dri
 times by milliseconds; then the wall clocks, which are never that wrong, are used as they are.
 """
 
+from __future__ import annotations
+
 import math
 import statistics
+from typing import TYPE_CHECKING
 
 from megascan.clock_alignment import Alignment, ClockAligner, RankClock
+
+if TYPE_CHECKING:  # merged_trace imports this module
+    from megascan.aggregate.merged_trace import OpInstance
 
 MAX_DRIFT_PPM = 200.0  # beyond any quartz oscillator's error, let alone an NTP-disciplined clock's
 
@@ -82,7 +88,8 @@ def _on_reference_wall_clock(reference, clock_sources):
     return {rank for rank, source in (clock_sources or {}).items() if source == (host, "host_clock")}
 
 
-def align_ranks(instances, ranks, problems, clock_sources=None):
+def align_ranks(instances: list[OpInstance], ranks: list[int], problems: list[str],
+                clock_sources: dict[int, tuple[str | None, str | None]] | None = None) -> Alignment:
     """Alignment of ``ranks`` (clocks map a rank's wall-clock microseconds to the reference rank's);
     ``clock_sources``: {rank: (host, timer)}. Says in ``problems`` when the refinement was rejected."""
     finishes, windows = _alignment_input(instances)

@@ -1,9 +1,12 @@
 """The summary's account of the clock alignment: which model was fitted, where drift was found, and the
 residuals of every collective finish, stated as they are (ClockAligner, megascan/clock_alignment.py)."""
 
+from __future__ import annotations
+
 import statistics
 
 from megascan.aggregate.loading import describe
+from megascan.aggregate.merged_trace import MergedTrace
 
 
 def _window_spread(clock):
@@ -11,7 +14,7 @@ def _window_spread(clock):
     return max(offsets) - min(offsets) if offsets else 0.0
 
 
-def describe_alignment(merged):
+def describe_alignment(merged: MergedTrace) -> str:
     """One line (no leading spaces) for the aggregation summary."""
     clocks = {rank: trace.clock for rank, trace in merged.ranks.items()}
     fitted = {rank: clock for rank, clock in clocks.items() if clock.collectives}

@@ -23,10 +23,19 @@ shifts satisfy (the traces contradict themselves) leaves the clocks as fitted; w
 backwards is counted.
 """
 
+from __future__ import annotations
+
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+from megascan.clock_alignment import RankClock
+
+if TYPE_CHECKING:  # merged_trace imports this module
+    from megascan.aggregate.merged_trace import OpInstance
 
 # A message takes at least this long; also above float64's resolution of microseconds since 1970
 # (0.25 us), so that a corrected transfer cannot run backwards once written.
@@ -132,7 +141,8 @@ def _shifts(edges, ranks, nodes, reference, hops):
     return min(candidates, key=lambda shifts: np.abs(shifts[:ranks]).sum())
 
 
-def causal_clocks(instances, clocks, reference, retime):
+def causal_clocks(instances: list[OpInstance], clocks: dict[int, RankClock], reference: int,
+                  retime: Callable[[int, RankClock], None]) -> tuple[dict[int, RankClock], CausalityCheck]:
     """(clocks shifted so that no transfer or collective finish runs backwards where the traces allow,
     CausalityCheck). ``clocks``: rank -> RankClock from the fit, whose global times the records already carry;
     ranks without one are left out. ``retime(rank, clock)`` puts a shifted rank's times on its new clock."""

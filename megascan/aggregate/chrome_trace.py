@@ -13,12 +13,16 @@ arrive to every other member's finish: the arrow points from the rank the others
 Times are microseconds since the earliest merged event. Format: docs/megascan_aggregate.md.
 """
 
+from __future__ import annotations
+
 import json
+from collections.abc import Iterable, Iterator
 from json.encoder import encode_basestring
 
 import numpy as np
 
 from megascan.aggregate.loading import coords_name
+from megascan.aggregate.merged_trace import MergedTrace, OpInstance
 from megatron.training.atomic_file import replaced_on_success
 
 _PID = 1  # the run's one process
@@ -186,7 +190,7 @@ class Arrows:
     An arrow that would finish before it starts is left out (viewers drop it silently): only contradictory
     traces leave one after causality.py, and the summary counts them."""
 
-    def __init__(self, instances, ranks):
+    def __init__(self, instances: list[OpInstance], ranks: Iterable[int]):
         self.span = max(ranks, default=0) + 1
         self.source = {}  # instance id -> the rank its arrows start at
         self.backwards = set()  # (instance id, target rank) of arrows left out
@@ -201,7 +205,7 @@ class Arrows:
             self.backwards.update((instance.id, target) for target, record in instance.records.items()
                                   if target != self.source[instance.id] and _inside(record, at_end=True) < start)
 
-    def ends(self, rank, tid, instance, after_start, before_end):
+    def ends(self, rank: int, tid: int, instance: OpInstance, after_start: float, before_end: float) -> list[str]:
         """The flow events (JSON text) that bind to ``rank``'s slice of ``instance`` on track ``tid``."""
         name = _json(instance.op)
         if rank != self.source[instance.id]:
@@ -218,14 +222,14 @@ def _inside(record, at_end):
     return _end(record) - inset if at_end else record["start"] + inset
 
 
-def time_origin(merged):
+def time_origin(merged: MergedTrace) -> float:
     """The earliest start of any merged event or op (global microseconds): the trace's time 0."""
     starts = [e["start"] for t in merged.ranks.values() for e in t.events]
     starts += [r["start"] for i in merged.instances for r in i.records.values()]
     return min(starts, default=0.0)
 
 
-def chrome_trace_events(merged, origin):
+def chrome_trace_events(merged: MergedTrace, origin: float) -> Iterator[list[str]]:
     """Every trace event as JSON text, a list at a time: the run's one process, then each rank's tracks and
     slices in layout order, each op slice followed by the ends of its flows."""
     records = {rank: [] for rank in merged.ranks}
@@ -242,7 +246,7 @@ def chrome_trace_events(merged, origin):
         texts, next_tid = _rank_slices(trace, next_tid, records[trace.rank], origin, arrows, cache)
         yield texts
 
-def write_chrome_trace(merged, path):
+def write_chrome_trace(merged: MergedTrace, path: str) -> None:
     """Writes the merged trace to ``path`` (atomically) as {"traceEvents": [...], "otherData": {...}}."""
     origin = time_origin(merged)
     other = {"run_id": merged.run_id, "layout": merged.layout, "reference_rank": merged.reference_rank,

@@ -5,10 +5,13 @@ were copied in, a rank stopped early. Each of those is said in ``problems`` and 
 because the files that are there are exactly the evidence needed to find out what went wrong.
 """
 
+from __future__ import annotations
+
 import itertools
 import os
 import re
 import sys
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
@@ -43,21 +46,21 @@ class RankFile:
     stalled: dict = field(default_factory=dict)  # window number without a `window` line -> issued facts
 
     @property
-    def rank(self):
+    def rank(self) -> int:
         return self.metadata["rank"]
 
     @property
-    def coords(self):
+    def coords(self) -> dict[str, int]:
         return self.metadata["coords"]
 
-    def iterations(self):
+    def iterations(self) -> list[int]:
         return sorted(i for line in self.windows.values() for i in line["iterations"])
 
-    def issued_only(self):
+    def issued_only(self) -> bool:
         """The rank's last window has only `issued` lines: it never finished it."""
         return bool(self.stalled) and max(self.stalled) > max(self.windows, default=-1)
 
-    def ops(self):
+    def ops(self) -> Iterator[dict]:
         """Every op record: those of complete windows (GPU times), then those only issued (host times)."""
         for window in (self.windows, self.stalled):
             for line in window.values():
@@ -74,7 +77,7 @@ class TraceDirectory:
     absent: dict = field(default_factory=dict)  # layout position without a usable trace -> why, e.g. DP0-PP1-TP1
 
 
-def describe(items, noun):
+def describe(items: Iterable, noun: str) -> str:
     """'ranks 3, 5' or 'ranks 0, 1, ... and 40 more': short enough for one line at any scale."""
     items = list(items)
     shown = ", ".join(str(item) for item in items[:_LISTED])
@@ -82,7 +85,8 @@ def describe(items, noun):
     return f"{noun}{'' if len(items) == 1 else 's'} {shown}{more}"
 
 
-def coords_name(coords):
+def coords_name(coords: dict[str, int]) -> str:
+    """DP{d}-PP{p}-TP{t}: a rank's layout position as the trace files and reports name it."""
     return f"DP{coords['dp']}-PP{coords['pp']}-TP{coords['tp']}"
 
 
@@ -257,7 +261,7 @@ def _report_unequal_progress(files, problems):
                         f"missing {describe(lacking, 'iteration')}{note}")
 
 
-def load_directory(directory):
+def load_directory(directory: str) -> TraceDirectory:
     """The usable rank files of one run in ``directory``; raises TraceDirectoryError when there are none."""
     if not os.path.isdir(directory):
         raise TraceDirectoryError(f"{directory} is not a directory; pass the --trace-dir of the traced run")

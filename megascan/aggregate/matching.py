@@ -7,8 +7,14 @@ counters run across windows, so records of different windows, and `issued` recor
 window, match the same way.
 """
 
+from __future__ import annotations
 
-def instance_key(rank, op):
+from megascan.aggregate.loading import RankFile
+
+InstanceKey = tuple  # ("collective", group, seq) or ("p2p", group, seq, src, dst)
+
+
+def instance_key(rank: int, op: dict) -> InstanceKey:
     """("collective", group, seq) or ("p2p", group, seq, src, dst); equal on every member."""
     if op["kind"] == "collective":
         return "collective", op["group"], op["seq"]
@@ -16,7 +22,7 @@ def instance_key(rank, op):
     return "p2p", op["group"], op["seq"], src, dst
 
 
-def match_records(files, problems):
+def match_records(files: dict[int, RankFile], problems: list[str]) -> dict[InstanceKey, dict[int, dict]]:
     """{instance key: {rank: op record}}, instances in order of first appearance (ranks ascending)."""
     instances, repeated = {}, 0
     for rank, rank_file in files.items():
@@ -32,7 +38,7 @@ def match_records(files, problems):
     return instances
 
 
-def group_table(files):
+def group_table(files: dict[int, RankFile]) -> dict[str, dict]:
     """Group id -> {"ranks": [...], "role": ...}, from every window and issued line of every rank."""
     groups = {}
     for rank_file in files.values():

@@ -7,6 +7,8 @@ clock was fitted, then shifted where the fit left a transfer or a collective run
 absent from ``ranks`` and from every instance's ``records``: its times would be on a clock nobody knows.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -15,7 +17,7 @@ import numpy as np
 
 from megascan.aggregate.alignment import align_ranks
 from megascan.aggregate.causality import CausalityCheck, causal_clocks
-from megascan.aggregate.loading import coords_name, load_directory
+from megascan.aggregate.loading import TraceDirectory, coords_name, load_directory
 from megascan.aggregate.matching import group_table, match_records
 
 
@@ -71,7 +73,7 @@ class MergedTrace:
     def _ranks_by_coords(self):
         return {(t.coords["dp"], t.coords["pp"], t.coords["tp"]): t for t in self.ranks.values()}
 
-    def rank_at(self, dp, pp, tp):
+    def rank_at(self, dp: int, pp: int, tp: int) -> RankTrace | None:
         """The RankTrace at layout position (dp, pp, tp), None if it is not merged."""
         return self._ranks_by_coords.get((dp, pp, tp))
 
@@ -141,13 +143,13 @@ def _keep_aligned(instances, aligned):
     return kept
 
 
-def load_and_merge(directory):
+def load_and_merge(directory: str) -> MergedTrace:
     """Read every per-rank trace file in ``directory``, match ops, align clocks: the MergedTrace.
     Raises loading.TraceDirectoryError when the directory holds nothing usable."""
     return merge(load_directory(directory))
 
 
-def merge(loaded):
+def merge(loaded: TraceDirectory) -> MergedTrace:
     """The MergedTrace of a loading.TraceDirectory: read from files, or gathered from the ranks during the run
     (online detection)."""
     files, problems = loaded.files, list(loaded.problems)

@@ -2,9 +2,12 @@
 recvs from stage 2 took longest?"). Times are global microseconds, as in MergedTrace. Tables and
 columns: docs/megascan_aggregate.md."""
 
+from __future__ import annotations
+
 import math
 import sqlite3
 
+from megascan.aggregate.merged_trace import MergedTrace
 from megatron.training.atomic_file import replaced_on_success
 
 _SCHEMA = """
@@ -50,7 +53,7 @@ def _op_rows(merged):
                    r.get("phase"), r["start"], r["end"])
 
 
-def write_sqlite(merged, path):
+def write_sqlite(merged: MergedTrace, path: str) -> None:
     """Writes tables ranks, events and ops to a new database at ``path`` (atomically)."""
     with replaced_on_success(path) as temporary:
         connection = sqlite3.connect(temporary)

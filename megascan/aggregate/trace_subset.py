@@ -7,10 +7,13 @@ SQLite export and the detection report. Arrows are drawn among the ranks kept (a
 last of them to arrive).
 """
 
+from __future__ import annotations
+
 import dataclasses
 import re
 
 from megascan.aggregate.loading import describe
+from megascan.aggregate.merged_trace import MergedTrace
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -18,12 +21,12 @@ _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 class SubsetError(ValueError):
     """A --ranks or --iterations value that cannot be used: ``flag`` and a one-line reason."""
 
-    def __init__(self, flag, reason):
+    def __init__(self, flag: str, reason: str):
         super().__init__(reason)
         self.flag = flag
 
 
-def parse_numbers(text, flag):
+def parse_numbers(text: str, flag: str) -> set[int]:
     """'0-7,12' -> {0, ..., 7, 12}; raises SubsetError for ``flag`` on anything else."""
     numbers = set()
     for part in text.split(","):
@@ -41,7 +44,8 @@ def _kept(record, ranks, iterations, rank):
     return rank in ranks and (iterations is None or record.get("iteration") in iterations)
 
 
-def trace_subset(merged, ranks=None, iterations=None):
+def trace_subset(merged: MergedTrace, ranks: set[int] | None = None,
+                 iterations: set[int] | None = None) -> MergedTrace:
     """The MergedTrace restricted to ``ranks`` and ``iterations`` (None: all); SubsetError if that leaves nothing."""
     if ranks is not None and not ranks & set(merged.ranks):
         raise SubsetError("--ranks", f"none of them is in the merged trace ({describe(sorted(merged.ranks), 'rank')})")

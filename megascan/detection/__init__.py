@@ -15,7 +15,10 @@ instance or transfer joins its members. Detection follows it:
 (e) nvml_evidence: what NVML saw. ``detect`` combines them into the report.
 """
 
-from megascan.detection.compute import compute_slowness
+from __future__ import annotations
+
+from megascan.aggregate.merged_trace import MergedTrace
+from megascan.detection.compute import OperationTotals, compute_slowness
 from megascan.detection.coverage import unjudged_ranks
 from megascan.detection.critical_path import critical_paths
 from megascan.detection.culprits import find_culprits, find_victims
@@ -31,7 +34,7 @@ from megascan.detection.waits import group_waits, waited_for
 __all__ = ["Report", "Suspect", "detect"]
 
 
-def detect(merged, compute_totals=None):
+def detect(merged: MergedTrace, compute_totals: dict[int, OperationTotals] | None = None) -> Report:
     """The Report of a MergedTrace; ``compute_totals``: each rank's compute.operation_totals where they were
     gathered instead of the events (online detection)."""
     timelines = build_timelines(merged)

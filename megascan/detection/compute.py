@@ -10,10 +10,13 @@ comparison is of total time, not of the typical sample. A rank's ratio is its ow
 what the other ranks typically take for the same operations (the median of their means).
 """
 
+from __future__ import annotations
+
 from collections import defaultdict
 
 import numpy as np
 
+from megascan.aggregate.merged_trace import MergedTrace
 from megascan.detection.robust import medians_of_others
 
 LAYER_EVENTS = ("attention-forward", "attention-backward", "mlp-forward", "mlp-backward")
@@ -65,7 +68,12 @@ def _operation_key(event, kind, stage):
     return None
 
 
-def operation_totals(events, tp_waits, kind, stage, layers_traced):
+# {operation key: [own compute in total (us), samples]} of one rank (operation_totals)
+OperationTotals = dict[tuple, list]
+
+
+def operation_totals(events: list[dict], tp_waits: list[tuple[float, float]], kind: str, stage: int,
+                     layers_traced: bool) -> OperationTotals:
     """{operation key: [own compute in total (us), samples]} of one rank, from its events (dicts with "name",
     "start", "end", "chunk") and its TP collectives' (start, end) intervals, all on one clock. With
     ``layers_traced``, only the layers: the finer, uniform comparison. A window's totals are what online
@@ -84,7 +92,7 @@ def operation_totals(events, tp_waits, kind, stage, layers_traced):
     return totals
 
 
-def totals_by_rank(merged):
+def totals_by_rank(merged: MergedTrace) -> dict[int, OperationTotals]:
     """rank -> operation_totals of every merged rank."""
     waits = _tp_waits_by_rank(merged)
     layers_traced = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
@@ -94,7 +102,7 @@ def totals_by_rank(merged):
             for rank, trace in merged.ranks.items()}
 
 
-def compute_slowness(merged, totals=None):
+def compute_slowness(merged: MergedTrace, totals: dict[int, OperationTotals] | None = None) -> dict[int, dict]:
     """rank -> {"ratio", "others_ratio", "samples"} for ranks with operations to compare; ``totals``: the
     ranks' operation_totals where they were gathered already (online detection), else made from ``merged``."""
     totals = totals_by_rank(merged) if totals is None else totals

@@ -2,7 +2,10 @@
 whose trace is missing, unusable, on an unknown clock or cut short, so the report names those beside it.
 """
 
+from __future__ import annotations
+
 from megascan.aggregate.loading import coords_name, describe
+from megascan.aggregate.merged_trace import MergedTrace
 
 
 def _cut_short(merged):
@@ -13,7 +16,7 @@ def _cut_short(merged):
             if everyone - have and not merged.ranks[rank].issued_only}
 
 
-def unjudged_ranks(merged):
+def unjudged_ranks(merged: MergedTrace) -> list[dict[str, str]]:
     """[{"who", "why"}]: layout positions and ranks not judged (or judged on part of the run only)."""
     entries = [{"who": position, "why": f"no usable trace ({why})"} for position, why in merged.absent.items()]
     entries += [{"who": f"rank {rank}", "why": f"not aligned, so not merged: {why}"}

@@ -12,11 +12,13 @@ The path alternates two kinds of segment and covers the iteration exactly, end t
 - a transfer: from an operation's last arrival to its finish on the rank the path continues from.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from megascan.detection.rank_timelines import NO_RECORD
+from megascan.detection.rank_timelines import NO_RECORD, RankTimelines
 
 
 @dataclass
@@ -28,7 +30,7 @@ class CriticalPath:
     transfers: list = field(default_factory=list)  # (finishing record, last-arrival record) per transfer segment
 
     @property
-    def length_us(self):
+    def length_us(self) -> float:
         return self.end - self.start
 
 
@@ -46,7 +48,7 @@ def _walk(timelines, iteration, last):
     return path
 
 
-def critical_paths(timelines):
+def critical_paths(timelines: RankTimelines) -> list[CriticalPath]:
     """CriticalPath of every iteration that has finished records, in iteration order."""
     finished = ~np.isnan(timelines.end) & (timelines.iteration >= 0)
     paths = []

@@ -13,10 +13,15 @@ suspects. A host-timed trace (CPU) has one clock for both; there, own work slowe
 the rank's traced compute (its layers) is not, lies outside the model's compute: host-bound as well.
 """
 
+from __future__ import annotations
+
+from megascan.aggregate.merged_trace import MergedTrace
+from megascan.detection.delay_attribution import DelayAttribution
 from megascan.detection.report import Suspect
+from megascan.detection.waits import GroupWaits
 
 # Own compute this many times what its peers take for the same work. Healthy GPUs of one model agree
-# within a few percent (+-3 % in tests/simulated_traces.py; a healthy H200 pair in docs/benchmarks.md
+# within a few percent (+-3 % in megascan/simulation/simulated_traces.py; a healthy H200 pair in docs/benchmarks.md
 # differed by 1.10x with one host lagging), a 1.2x slow GPU measures 1.15x or more against peers up to
 # 3 % faster. CPU processes sharing an oversubscribed host (tests, --device cpu) differ by far more: a
 # healthy rank of an 8-process DP2 x TP2 x PP2 run on 2 cores measured 2.28x its peers over one 2-iteration
@@ -116,7 +121,8 @@ def _launch_wait_explains(delay, slowness):
     return delay.launch_wait_share >= 1.0 - 1.0 / slowness  # False where unknown (nan)
 
 
-def find_culprits(merged, attribution, compute, groups, nvml):
+def find_culprits(merged: MergedTrace, attribution: DelayAttribution, compute: dict[int, dict],
+                  groups: dict[str, GroupWaits], nvml: dict[int, list[str]]) -> tuple[list[Suspect], list[Suspect]]:
     """(suspects, host-bound ranks): Suspect (kind "slow_rank") per culprit, the most delay first: first the
     ranks whose excess others waited for, then slow ranks whose excess only a slower culprit hid (it waited
     for that one); Suspect (kind "host_bound") per rank whose host set the pace of the delay it caused."""
@@ -157,7 +163,8 @@ def _by_score(suspects):
     return sorted(suspects, key=lambda suspect: -suspect.score)
 
 
-def find_victims(merged, waits, culprits, path_us):
+def find_victims(merged: MergedTrace, waits: dict[int, dict[int, float]], culprits: set[int],
+                 path_us: float) -> list[dict]:
     """The report's victims: the ranks that waited for a suspect directly, at least MIN_CAUSED_SHARE of the
     traced iterations (ranks further along wait for those victims, and everyone waits in pipeline bubbles)."""
     victims = []

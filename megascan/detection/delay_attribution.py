@@ -16,13 +16,16 @@ GPU's; each part is measured against the same part on the peers, so the delay a 
 what its host added and what its GPU added. The run's own noise (noise.py) says which delays are real.
 """
 
+from __future__ import annotations
+
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from megascan.detection.critical_path import CriticalPath
 from megascan.detection.noise import RunNoise, estimate_noise
-from megascan.detection.rank_timelines import NO_RECORD
+from megascan.detection.rank_timelines import NO_RECORD, RankTimelines
 from megascan.detection.robust import medians_of_others
 
 
@@ -47,15 +50,15 @@ class RankDelay:
     launch_wait_share_of_peers: float = float("nan")  # the same share on the other ranks of its stage (median)
 
     @property
-    def own_ratio(self):
+    def own_ratio(self) -> float:
         return self.own_us / self.peers_us if self.peers_us > 0 else float("nan")
 
     @property
-    def split_known(self):
+    def split_known(self) -> bool:
         return not np.isnan(self.caused_host_us)
 
     @property
-    def host_side(self):
+    def host_side(self) -> bool:
         """Whether its host, not its GPU, set the pace of the delay it caused."""
         return self.split_known and self.caused_host_us > self.caused_device_us
 
@@ -85,7 +88,8 @@ def _add_masked(timelines, awaited, comparable, excess, ranks):
         ranks[rank].masked_us[other] = total
 
 
-def attribute_delays(timelines, paths, compute_ratios):
+def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
+                     compute_ratios: dict[int, float]) -> DelayAttribution:
     """DelayAttribution of the critical paths (module docstring). ``compute_ratios``: rank -> its compute over
     what other ranks take for identical operations; it measures the work of a rank no other rank shares its
     pipeline stage with (DP1 x TP1), whose expected work is then its own divided by that ratio."""

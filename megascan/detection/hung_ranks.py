@@ -17,7 +17,11 @@ finished is not evidence of a hang (a member's record was lost, e.g. a cut file)
 instances count.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+
+from megascan.aggregate.merged_trace import MergedTrace
 
 
 @dataclass
@@ -100,7 +104,7 @@ def _chain_ends(rank, waits):
     return sorted(ends)
 
 
-def classify_hang(merged):
+def classify_hang(merged: MergedTrace) -> tuple[list[Hung], list[Blocked]]:
     """([Hung], [Blocked]) from the stalled window's operations; both empty when nothing stalled."""
     sequences, stalled = _stalled_sequences(merged)
     if not stalled:

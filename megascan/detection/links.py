@@ -7,9 +7,13 @@ have delayed the critical path measurably, as a rank must to be named: there a h
 transfers can be slow by the scheduler alone, and then they delayed nobody.
 """
 
+from __future__ import annotations
+
 from collections import defaultdict
 
+from megascan.aggregate.merged_trace import MergedTrace
 from megascan.detection.culprits import MIN_CAUSED_SHARE
+from megascan.detection.delay_attribution import DelayAttribution
 from megascan.detection.robust import median
 
 # A link under this fraction of the median link's bandwidth is slow. A degraded link (PCIe instead of
@@ -20,7 +24,9 @@ SLOW_LINK_FRACTION = {"cuda_event": 0.25, "host_clock": 0.1}
 MIN_LINKS_TO_COMPARE = 3
 
 
-def link_stats(merged, attribution):
+def link_stats(merged: MergedTrace, attribution: DelayAttribution) -> list[dict]:
+    """Per pipeline link (src -> dst) with a complete transfer: its transfers, bandwidth, median latency, the
+    excess its transfers added to the critical paths, and whether it is slow against the other links."""
     per_link = defaultdict(lambda: {"bytes": 0, "seconds": 0.0, "latencies_us": [], "transfers": 0})
     for instance in merged.instances:
         if instance.kind != "p2p" or instance.missing:

@@ -10,10 +10,14 @@ iterations' sum and the peers' spread over the operations at which it was waited
 is last now and then, by the run's ordinary jitter, stays below that.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 
 import numpy as np
+
+from megascan.detection.rank_timelines import RankTimelines
 
 _MAD_TO_SIGMA = 1.4826
 # How many spreads a delay must stand out by. A healthy rank last at an operation is late by about one
@@ -35,14 +39,14 @@ class RunNoise:
     iteration_spread_us: float = 0.0  # of one iteration's length
     peer_spread_us: float = 0.0  # of one record's own work against its peers'
 
-    def floor_us(self, iterations, records):
+    def floor_us(self, iterations: int, records: int) -> float:
         """The delay that the run's own noise could explain, over ``iterations`` and ``records`` operations: a
         sum of n iterations' deviations spreads sqrt(n) times one's; a rank last at an operation by chance is
         late there by about one peer spread, and such lateness only adds up."""
         return NOISE_SPREADS * max(self.iteration_spread_us * math.sqrt(iterations), self.peer_spread_us * records)
 
 
-def estimate_noise(timelines, expected_gap, iteration_us):
+def estimate_noise(timelines: RankTimelines, expected_gap: np.ndarray, iteration_us: list[float]) -> RunNoise:
     """RunNoise of a run: ``expected_gap`` is each record's peers' own work (nan where it has none), ``iteration_us``
     each iteration's length less its charges. The peers'
     spread is taken where at least MIN_PEERS ranks did the same work: between two peers every difference is

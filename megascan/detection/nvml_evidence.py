@@ -1,11 +1,14 @@
 """Stage (e): what NVML saw on each GPU during the trace windows (clocks, throttling)."""
 
+from __future__ import annotations
+
+from megascan.aggregate.merged_trace import MergedTrace
 from megascan.detection.robust import median
 
 LOW_CLOCK_FRACTION = 0.9  # an SM clock under 90% of the other GPUs' median is worth reporting
 
 
-def nvml_evidence(merged):
+def nvml_evidence(merged: MergedTrace) -> dict[int, list[str]]:
     """rank -> list of evidence strings (empty where nothing unusual was recorded)."""
     clocks = {rank: median([reading["sm_clock_mhz"] for _, reading in trace.nvml])
               for rank, trace in merged.ranks.items() if trace.nvml}

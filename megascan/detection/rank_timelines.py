@@ -20,9 +20,13 @@ Records are held in flat numpy arrays indexed by record number, because a 1024-r
 hundreds of thousands of them.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass
 
 import numpy as np
+
+from megascan.aggregate.merged_trace import MergedTrace
 
 NO_RECORD = -1
 
@@ -42,21 +46,21 @@ class RankTimelines:
     host: np.ndarray  # record number -> host issue time, global us (nan: unknown, or host-timed: one clock)
     stage: np.ndarray  # record number -> its rank's pipeline stage
 
-    def host_wait(self):
+    def host_wait(self) -> np.ndarray:
         """Per record: the part of its own work before arriving in which its GPU waited for its host to
         issue the op (from the previous finish to the issue; nan where the host's issue time is unknown)."""
         return np.clip(self.host - (self.start - self.gap), 0.0, self.gap)
 
-    def device_work(self):
+    def device_work(self) -> np.ndarray:
         """Per record: the rest of its own work, its GPU's: from the issue (or the previous finish) to arriving."""
         return self.gap - self.host_wait()
 
-    def host_interval(self):
+    def host_interval(self) -> np.ndarray:
         """Per record: its host's time from issuing ``prev`` to issuing it (nan at an iteration's start)."""
         prev = np.where(self.prev != NO_RECORD, self.prev, 0)
         return np.where(self.prev != NO_RECORD, self.host - self.host[prev], np.nan)
 
-    def arrival_awaited(self):
+    def arrival_awaited(self) -> np.ndarray:
         """Per record: the record number of its instance's last arrival, what it waited for (NO_RECORD where
         the instance is incomplete); the last arrival itself points to itself."""
         last_of = np.full(len(self.instances), NO_RECORD, dtype=np.int64)
@@ -157,7 +161,7 @@ def _last_arrivals(instance, start, complete):
     return dict(zip(instance[last].tolist(), last.tolist()))
 
 
-def build_timelines(merged):
+def build_timelines(merged: MergedTrace) -> RankTimelines:
     """RankTimelines of every merged rank (see the module docstring)."""
     rows, complete = _reached_records(merged)
     rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]

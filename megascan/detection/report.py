@@ -1,5 +1,7 @@
 """The detection report: ranked suspects with evidence, as text for people and JSON for tools."""
 
+from __future__ import annotations
+
 from dataclasses import asdict, dataclass, field
 
 BLOCKED_LISTED = 16  # the text report lists this many blocked ranks; the JSON has all
@@ -22,7 +24,7 @@ class Suspect:
     score: float
     evidence: list = field(default_factory=list)
 
-    def title(self):
+    def title(self) -> str:
         c = self.coords
         device = f", GPU {self.device_index}" if self.device_index is not None else ""
         return f"rank {self.rank} (DP{c['dp']} PP{c['pp']} TP{c['tp']}, host {self.host}{device})"
@@ -38,10 +40,10 @@ class Report:
     blocked: list = field(default_factory=list)  # [{rank, coords, operation, waits_for, behind}] in a hang
     host_bound: list = field(default_factory=list)  # Suspect (kind "host_bound"): its host, not its GPU, was late
 
-    def to_json(self):
+    def to_json(self) -> dict:
         return asdict(self)
 
-    def to_text(self):
+    def to_text(self) -> str:
         lines = []
         judged = f" among the {len(self.alignment)} ranks judged" if self.unjudged else ""
         slow_links = any(link["slow"] for link in self.links)

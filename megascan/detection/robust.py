@@ -1,17 +1,23 @@
 """Small numeric helpers shared by the detection stages."""
 
+from __future__ import annotations
+
+from collections.abc import Sequence
+
 import numpy as np
 
 
-def median(values):
+def median(values: Sequence[float] | np.ndarray) -> float:
+    """The median of ``values``; 0.0 when there are none."""
     return float(np.median(values)) if len(values) else 0.0
 
 
-def overlap(start, end, other_start, other_end):
+def overlap(start: float, end: float, other_start: float, other_end: float) -> float:
+    """How long the intervals [start, end] and [other_start, other_end] overlap (0.0 when they do not)."""
     return max(0.0, min(end, other_end) - max(start, other_start))
 
 
-def medians_of_others(values, groups):
+def medians_of_others(values: Sequence[float] | np.ndarray, groups: Sequence[int] | np.ndarray) -> np.ndarray:
     """For each value, the median of the other values of its group (nan when it is alone).
 
     Leaving the value itself out matters for small groups: with two TP peers, a slow one would

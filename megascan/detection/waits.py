@@ -7,11 +7,13 @@ collective's process group, or a pipeline link) is counted separately. Computed 
 instances of RankTimelines, all at once.
 """
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from megascan.detection.rank_timelines import NO_RECORD
+from megascan.detection.rank_timelines import NO_RECORD, RankTimelines
 
 
 @dataclass
@@ -37,7 +39,7 @@ def _sums(keys, values):
     return dict(zip(unique.tolist(), np.bincount(inverse.ravel(), weights=values, minlength=len(unique)).tolist()))
 
 
-def group_waits(timelines):
+def group_waits(timelines: RankTimelines) -> dict[str, GroupWaits]:
     """Group name -> GroupWaits, for every synchronous group with a complete instance."""
     numbers, group_of_instance = {}, {}
     for instance_id in timelines.last_arrival:
@@ -66,7 +68,7 @@ def group_waits(timelines):
     return {group.name: group for group in groups}
 
 
-def waited_for(timelines):
+def waited_for(timelines: RankTimelines) -> dict[int, dict[int, float]]:
     """rank -> {rank it waited for: us}: at each complete instance, from its arrival to the last arrival."""
     last = timelines.arrival_awaited()
     waiting = (last != NO_RECORD) & (last != np.arange(len(last)))

@@ -1,4 +1,4 @@
-"""From a checked request (megascope.wire) to token ids and sampling parameters, shared by the REST API
+"""From a checked request (megatron/inference/requests.py) to token ids and sampling parameters, shared by the REST API
 and the WebSocket: BOS, the chat template, and the checks that need the tokenizer and the model's length."""
 
 import json
@@ -7,8 +7,8 @@ import os
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from megascope.errors import ProtocolError
-from megascope.wire import check_limits
+from megatron.inference.errors import ProtocolError
+from megatron.inference.limits import check_limits
 
 
 def load_chat_template(args):

@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch
 from megatron.core import parallel_state
 
-from megascope.distributed import gather_objects
 from megatron.inference.engine import Generation, NonFiniteLogits
+from megatron.training.collectives import gather_objects
 
 
 def replica_share(count):

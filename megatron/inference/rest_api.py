@@ -12,10 +12,10 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from megascope.errors import ProtocolError
-from megascope.wire import load_json, parse_rest_request
 from megatron.inference.engine import NonFiniteLogits
+from megatron.inference.errors import ProtocolError
 from megatron.inference.prompts import sampling_fields
+from megatron.inference.requests import load_json, parse_rest_request
 from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megatron.inference.rest")

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from megatron.core import parallel_state
 
-from megascope.errors import ProtocolError
 from megatron.inference.engine import NonFiniteLogits, NoObserver, agree
+from megatron.inference.errors import ProtocolError
 from megatron.inference.replicas import generate_share
 from megatron.inference.sampling import SamplingParams
 

@@ -1,8 +1,9 @@
 """Outputs appear whole or not at all: written under a temporary name beside the target, then renamed.
 
-An interrupted write (an aggregation, a schedule log, a checkpoint tracker) never leaves a half-written
-file that a viewer or a later step would take for a complete one, a failed write leaves any earlier
-output in place, and the temporary file is removed whatever happens.
+The one helper for it: an interrupted write (an aggregation, a schedule log, a checkpoint tracker, a
+preprocessed dataset, the sample vocabularies, a PID file) never leaves a half-written file that a viewer or a
+later step would take for a complete one, a failed write leaves any earlier output in place, and the temporary
+file is removed whatever happens.
 
 The temporary file is created the way ``open(path, "w")`` creates a file, with mode 0666 less the
 user's umask, and the rename keeps that mode: on a shared cluster, teammates read the merged trace
@@ -12,6 +13,7 @@ and the report as they read any other file of the user. (``tempfile.mkstemp`` wo
 import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 
 
 def create_beside(directory: str, name: str) -> str:
@@ -26,7 +28,7 @@ def create_beside(directory: str, name: str) -> str:
 
 
 @contextlib.contextmanager
-def replaced_on_success(path):
+def replaced_on_success(path: str) -> Iterator[str]:
     """Yields a temporary path in ``path``'s directory; renames it to ``path`` if the block succeeds."""
     directory, name = os.path.split(os.path.abspath(path))
     temporary = create_beside(directory, name)

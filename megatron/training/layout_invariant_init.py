@@ -11,19 +11,24 @@ The distributions are megatron-core's own: ``config.init_method`` for every matr
 ``config.output_layer_init_method`` for the projections that feed the residual stream.
 """
 
+from __future__ import annotations
+
 import re
 import zlib
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 _RESIDUAL_OUTPUT_PROJECTIONS = ("linear_proj.weight", "linear_fc2.weight")
 _WORD_EMBEDDING = "embedding.word_embeddings.weight"
 
 
-def _global_names(chunk):
-    """Parameter name -> name with the layer index of the whole model, not of this stage."""
+def global_parameter_names(chunk: torch.nn.Module) -> dict[str, str]:
+    """Parameter name -> the same name with the layer index of the whole model, not of this stage (the last
+    stage's copy of a tied output layer is named as the word embedding): the same weight has the same name at
+    every parallel layout, so seeds and statistics keyed by it do not depend on the layout."""
     layer_prefixes = {}
     for module_name, module in chunk.named_modules():
         if isinstance(module, TransformerLayer):
@@ -42,7 +47,10 @@ def _global_names(chunk):
     return names
 
 
-def _this_ranks_shard(master, param):
+def this_ranks_shard(master: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
+    """This tensor-parallel rank's shard of ``master``, a full-size tensor of ``param``'s model-wide shape
+    (``full_shape``), split as megatron-core splits ``param`` (its partition dim and stride); ``master`` itself
+    for a parameter that is not split."""
     if not getattr(param, "tensor_model_parallel", False):
         return master
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -51,7 +59,8 @@ def _this_ranks_shard(master, param):
     return torch.cat(pieces[tp_rank::tp_size], dim=param.partition_dim)
 
 
-def _full_shape(param):
+def full_shape(param: torch.nn.Parameter) -> list[int]:
+    """The shape of ``param`` before tensor parallelism split it (its shape when it is not split)."""
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
         shape[param.partition_dim] *= parallel_state.get_tensor_model_parallel_world_size()
@@ -59,9 +68,11 @@ def _full_shape(param):
 
 
 @torch.no_grad()
-def reinitialize_layout_invariant(chunks, config, seed):
+def reinitialize_layout_invariant(chunks: list[torch.nn.Module], config: TransformerConfig, seed: int) -> None:
+    """Redraw every matrix of ``chunks`` from ``seed`` and its global name (module docstring) with ``config``'s
+    init methods."""
     for chunk in chunks:
-        global_names = _global_names(chunk)
+        global_names = global_parameter_names(chunk)
         for name, param in chunk.named_parameters():
             if param.dim() < 2:
                 continue
@@ -70,6 +81,6 @@ def reinitialize_layout_invariant(chunks, config, seed):
                     else config.init_method)
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(seed + zlib.crc32(global_name.encode()))
-                master = torch.empty(_full_shape(param), dtype=torch.float32)
+                master = torch.empty(full_shape(param), dtype=torch.float32)
                 init(master)
-            param.copy_(_this_ranks_shard(master, param))
+            param.copy_(this_ranks_shard(master, param))

@@ -6,19 +6,16 @@ then loads through the same path as a trained one, at any TP/PP.
 """
 
 import os
-import socket
-import sys
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
+import pretrain_gpt  # the model provider every checkpoint of ours is loaded with
 from megatron.training.arguments import parse_args
 from megatron.training.cpu_compat import install_cpu_compat
+from megatron.training.ports import free_port
 from megatron.training.validate_args import validate_args
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import pretrain_gpt  # noqa: E402  the model provider every checkpoint of ours is loaded with
 
 # Flags pretrain_gpt.py requires that do not shape the model.
 _NOT_SHAPING_THE_MODEL = ["--micro-batch-size", "1", "--train-iters", "1", "--lr", "0", "--mock-data",
@@ -29,15 +26,9 @@ def start_single_process_group():
     """dist_checkpointing saves and loads through torch.distributed: one gloo process, TP1/PP1."""
     install_cpu_compat()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.distributed.init_process_group("gloo", world_size=1, rank=0)
     parallel_state.initialize_model_parallel(1, 1)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_args(model_flags, padded_vocab_size, dtype_flags):

@@ -9,22 +9,20 @@ the tokenizer's vocabulary) with torch.save.
 """
 
 import json
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
-import megatron.training  # noqa: E402,F401  first: quiets megatron-core's import notices
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 
 # isort: split
-from megatron.core import parallel_state  # noqa: E402
+from megatron.core import parallel_state
 
-import pretrain_gpt  # noqa: E402
-from megatron.inference.greedy import greedy_generate, logits  # noqa: E402
-from megatron.inference.model_setup import setup_for_generation  # noqa: E402
-from megatron.training.errors import UserError, exit_on_user_error  # noqa: E402
-from megatron.training.initialize import shutdown  # noqa: E402
+import pretrain_gpt
+from megatron.inference.greedy import greedy_generate, logits
+from megatron.inference.model_setup import setup_for_generation
+from megatron.training.errors import UserError, exit_on_user_error
+from megatron.training.initialize import shutdown
 
 
 def _generation_args(parser):

@@ -1,11 +1,13 @@
 """Run one script many times, each run in a process forked after the script's own imports.
 
-    python tests/fork_runner.py SCRIPT < cases.json      (cases: [{"args": [...], "env": {...}}])
+    python tests/helpers/fork_runner.py SCRIPT < cases.json      (cases: [{"args": [...], "env": {...}}])
 
 prints one JSON list: per case {"returncode", "stdout", "stderr"}. Each run is the script run as
 ``__main__`` with that argv and environment, as ``python SCRIPT ARGS`` runs it, but without importing
 torch and megatron-core again: a start-up mistake is found in milliseconds, where a fresh interpreter
-spends seconds of CPU on imports (tests/test_launch_errors.py runs two dozen of them)."""
+spends seconds of CPU on imports (tests/test_launch_errors.py runs two dozen of them). The script's folder is
+not put first on the module search path as ``python SCRIPT`` would: the scripts run here import installed
+packages only."""
 
 import json
 import os
@@ -50,7 +52,6 @@ def run_case(script, args, env):
 def main():
     script = sys.argv[1]
     cases = json.load(sys.stdin)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT` has it
     runpy.run_path(script, run_name="__imports_only__")  # its imports, once, before any fork
     results = [run_case(script, case["args"], case.get("env", {})) for case in cases]
     sys.stdout.write(json.dumps(results))

@@ -2,8 +2,8 @@
 perturbed twice and after clear(), exact restores, and at one rank an autograd vs finite-difference check."""
 
 import torch
-from megascope_model import capture
 
+from helpers.megascope_model import capture
 from megascope.capture import CaptureSpec
 from megascope.perturbations import Perturbation, PerturbationSet
 

@@ -1,4 +1,4 @@
-"""Runs the ranks of a DP x TP x PP job on one global clock, step by step (tests/one_f_one_b.py), so
+"""Runs the ranks of a DP x TP x PP job on one global clock, step by step (megascan/simulation/one_f_one_b.py), so
 that every delay travels the way it would on real GPUs: a collective finishes only after its last
 member arrives, a transfer starts only once both sides have posted it. A slow GPU therefore makes its
 TP peers wait inside all-reduces, its pipeline neighbours wait in exchanges and its DP replicas wait
@@ -18,8 +18,8 @@ ranks that never finished, where they stopped.
 from collections import deque
 from dataclasses import dataclass, field
 
-from one_f_one_b import ACTIVATION_BYTES, stage_program
-from synthetic_traces import MegatronRankOrder, layout_groups
+from megascan.simulation.one_f_one_b import ACTIVATION_BYTES, stage_program
+from megascan.simulation.synthetic_traces import MegatronRankOrder, layout_groups
 
 LAYER_HALF_US = 1_500.0  # one layer half's forward on a GPU of speed 1
 COMPUTE_JITTER = 0.005  # relative spread of one kernel sequence's time on one GPU

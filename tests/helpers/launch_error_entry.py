@@ -1,11 +1,7 @@
 """The smallest entry point with the launch-error handling of pretrain_gpt.py: every rank fails its
 flag check at once. Starts in milliseconds (no torch), so a test can launch it many times."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from megatron.training.errors import ArgumentError, exit_on_user_error  # noqa: E402
+from megatron.training.errors import ArgumentError, exit_on_user_error
 
 
 @exit_on_user_error

@@ -2,8 +2,7 @@
 patched with its own activations, prompt 1's last residual and some of its attention heads written into
 prompt 0, zero and mean ablations."""
 
-from megascope_model import capture
-
+from helpers.megascope_model import capture
 from megascope.capture import CaptureSpec
 from megascope.patching import Patch, Patcher
 

@@ -7,18 +7,16 @@ import json
 import os
 import sys
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
-import torch  # noqa: E402
+import torch
 
-import megatron.training  # noqa: E402,F401
-import pretrain_gpt  # noqa: E402
-from megatron.inference.engine import GenerationEngine  # noqa: E402
-from megatron.inference.greedy import greedy_generate  # noqa: E402
-from megatron.inference.model_setup import setup_for_generation  # noqa: E402
-from megatron.inference.replicas import generate_share  # noqa: E402
-from megatron.inference.sampling import SamplingParams  # noqa: E402
-from megatron.training.initialize import shutdown  # noqa: E402
+import megatron.training  # noqa: F401
+import pretrain_gpt
+from megatron.inference.engine import GenerationEngine
+from megatron.inference.greedy import greedy_generate
+from megatron.inference.model_setup import setup_for_generation
+from megatron.inference.replicas import generate_share
+from megatron.inference.sampling import SamplingParams
+from megatron.training.initialize import shutdown
 
 SAME_LENGTH = [[464, 3290, 318, 257, 1332, 286], [40, 588, 284, 1842, 546, 262]]
 MIXED_LENGTHS = [[464, 3290, 318], [40, 588, 284, 1842, 546, 262, 3303], [7496, 11]]

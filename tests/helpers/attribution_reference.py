@@ -7,12 +7,12 @@ import json
 import sys
 
 import torch
-from megascope_model import build
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import (
     destroy_num_microbatches_calculator,
 )
 
+from helpers.megascope_model import build
 from megascope.attribution import Attribution
 
 PROMPTS = torch.tensor([[5, 17, 3, 60, 22, 9], [41, 2, 88, 13, 70, 31]])

@@ -10,8 +10,9 @@ import urllib.error
 import urllib.request
 
 import psutil
-from launch import REPO, child_env, kill_process_tree, torchrun_command
 from websockets.asyncio.client import connect
+
+from helpers.launch import REPO, child_env, kill_process_tree, torchrun_command
 
 TINY_SERVER = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
                "--seq-length", "64", "--max-position-embeddings", "64", "--hidden-dropout", "0",

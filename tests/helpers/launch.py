@@ -4,7 +4,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,11 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+from megatron.training.ports import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+TESTS = REPO / "tests"  # what holds the helpers package
+PLUGINS = TESTS / "helpers" / "plugins"  # plugin modules for MEGATRON_PLUGINS (on PYTHONPATH)
 
 # A tiny GPT on the sample vocabulary; no dropout and layout-invariant initialization so that
 # every parallel layout computes the same losses.
@@ -31,12 +34,6 @@ def gpt_data_args(prefix):
     return ["--data-path", str(prefix), "--tokenizer-type", "GPT2BPETokenizer",
             "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
             "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_command(nproc, script, args):
@@ -68,8 +65,13 @@ def running_with_argument(text):
 
 
 def child_env(extra=None):
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    env.update(extra or {})
+    """The environment of a process a test starts: this one's, with ``extra``; PYTHONPATH has tests/ first, so
+    that an entry script run by its path imports ``helpers`` as the tests do, then ``extra``'s and this
+    process's own (a PYTHONPATH in ``extra``, e.g. a folder of plugins, adds to it: it replaces nothing)."""
+    extra = dict(extra or {})
+    paths = [str(TESTS), extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
+    env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
     return env
 
 
@@ -96,10 +98,10 @@ def run_script(script, args, env=None, timeout=120):
 
 def run_script_cases(script, cases, timeout=300):
     """``run_script`` for many (args, env) cases of one script at once: each case in a process forked after
-    the script's imports (tests/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
+    the script's imports (tests/helpers/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
     payload = json.dumps([{"args": list(map(str, args)), "env": {"MASTER_PORT": str(free_port()), **(env or {})}}
                           for args, env in cases])
-    runner = subprocess.run([sys.executable, str(REPO / "tests/fork_runner.py"), str(REPO / script)], cwd=REPO,
+    runner = subprocess.run([sys.executable, str(REPO / "tests/helpers/fork_runner.py"), str(REPO / script)], cwd=REPO,
                             env=child_env(), input=payload, capture_output=True, text=True, timeout=timeout)
     assert runner.returncode == 0, runner.stderr[-5000:]
     return [subprocess.CompletedProcess([script, *args], result["returncode"], result["stdout"], result["stderr"])

@@ -2,7 +2,7 @@
 
 import json
 
-from launch import TINY_GPT, assert_succeeded, gpt_data_args, torchrun
+from helpers.launch import TINY_GPT, assert_succeeded, gpt_data_args, torchrun
 
 LAYOUTS = {  # name: (processes, flags)
     "TP2xPP2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),

@@ -6,7 +6,6 @@ import megatron.training  # noqa: F401
 
 # isort: split
 import functools
-import sys
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -18,9 +17,7 @@ from megatron.training.layout_invariant_init import reinitialize_layout_invarian
 from megatron.training.model_setup import _build_chunks
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_args import validate_args
-
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-from pretrain_gpt import model_provider  # noqa: E402
+from pretrain_gpt import model_provider
 
 TINY_MODEL_FLAGS = [
     "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",

@@ -1,4 +1,4 @@
-"""Simulated GPT training runs (DP x TP x PP, 1F1B; tests/training_simulator.py) written as MegaScan
+"""Simulated GPT training runs (DP x TP x PP, 1F1B; megascan/simulation/training_simulator.py) written as MegaScan
 per-rank trace files (docs/megascan_trace_format.md), with their ground truth: which GPUs were slow,
 which link, which rank hung and which ranks were left blocked. For tests/test_detection_scenarios.py,
 bench/detection_scale.py and bench/aggregate_scale.py.
@@ -18,9 +18,9 @@ import os
 import random
 from dataclasses import dataclass, field
 
-from one_f_one_b import stage_program
-from synthetic_traces import window_groups, write_lines
-from training_simulator import (
+from megascan.simulation.one_f_one_b import stage_program
+from megascan.simulation.synthetic_traces import window_groups, write_lines
+from megascan.simulation.training_simulator import (
     GPU_BOUND_HOST_COST,
     Faults,
     Layout,

@@ -1,4 +1,4 @@
-"""The detection case matrix: for a layout and a seed, simulated runs (tests/simulated_traces.py) that are
+"""The detection case matrix: for a layout and a seed, simulated runs (megascan/simulation/simulated_traces.py) that are
 healthy, have one or two slow GPUs in every role, a slow pipeline link, or a rank hung at one of
 several operations, and the same in a host-bound job (every GPU waits for its host's launches): healthy,
 a slow host (host-bound, not a slow GPU), a slow GPU; and the check that a report names exactly what was
@@ -8,9 +8,8 @@ tests/test_detection_scenarios.py (small layouts) and bench/detection_scale.py (
 
 import random
 
-from simulated_traces import Scenario
-
 from megascan.detection.links import MIN_LINKS_TO_COMPARE
+from megascan.simulation.simulated_traces import Scenario
 
 SLOW_FACTORS = (1.2, 1.3, 1.45, 1.6)
 SLOW_LINK_FACTOR = 6.0  # a link degraded to a sixth of its bandwidth (PCIe instead of NVLink is ~10x)

@@ -5,7 +5,8 @@ import re
 import shlex
 import sys
 
-from launch import REPO, free_port
+from helpers.launch import REPO
+from megatron.training.ports import free_port
 
 
 def readme_commands(heading):

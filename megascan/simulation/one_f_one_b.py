@@ -1,5 +1,5 @@
 """What one pipeline stage runs in one training iteration of a GPT on DP x TP x PP: megatron-core's
-non-interleaved 1F1B schedule, as a list of steps for tests/training_simulator.py.
+non-interleaved 1F1B schedule, as a list of steps for megascan/simulation/training_simulator.py.
 
 Steps (tuples, so that simulating a thousand ranks stays cheap):
 - ``("compute", event name or None, microbatch, layer, units)``: the GPU busy for ``units`` layer

@@ -7,11 +7,11 @@ Usage: megascope_run.py OUT_DIR <pretrain_gpt flags>."""
 import sys
 
 import torch
-from megascope_model import build, capture, forward
-from megascope_patching_phases import patching_phases
-from megascope_perturbation_phases import perturbation_phases
 from megatron.core.inference.contexts import StaticInferenceContext
 
+from helpers.megascope_model import build, capture, forward
+from helpers.megascope_patching_phases import patching_phases
+from helpers.megascope_perturbation_phases import perturbation_phases
 from megascope.attribution import Attribution
 from megascope.capture import CaptureSpec
 from megascope.hooks import HOOK_NAMES

@@ -5,8 +5,9 @@ import functools
 import os
 
 import torch
-from launch import REPO, assert_succeeded, torchrun
-from megascope_model import TINY_MODEL_FLAGS
+
+from helpers.launch import assert_succeeded, torchrun
+from helpers.megascope_model import TINY_MODEL_FLAGS
 
 GQA = ["--group-query-attention", "--num-query-groups", "2"]
 LAYOUTS = {
@@ -30,7 +31,6 @@ def saved(layout, root):
     nproc, flags = LAYOUTS[layout]
     out = f"{root}/{layout}"
     os.makedirs(out, exist_ok=True)
-    result = torchrun(nproc, "tests/megascope_run.py", [out, *TINY_MODEL_FLAGS, *flags],
-                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    result = torchrun(nproc, "tests/helpers/megascope_run.py", [out, *TINY_MODEL_FLAGS, *flags])
     assert_succeeded(result)
     return torch.load(f"{out}/saved.pt", weights_only=False)

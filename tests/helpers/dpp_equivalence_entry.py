@@ -3,21 +3,18 @@ megatron-core's static schedule and under DPP schedules, and check on every rank
 every iteration and the weights at the end agree. Prints one ``DPP-EQUIVALENCE`` line per rank and DPP
 schedule; exits 1 on a mismatch.
 
-    torchrun ... tests/dpp_equivalence_entry.py --entry pretrain_gpt --schedules depth-first,breadth-first:1
+    torchrun ... tests/helpers/dpp_equivalence_entry.py --entry pretrain_gpt --schedules depth-first,breadth-first:1
         --iterations 10 --schedule-log-prefix DIR/log <pretrain flags, with --use-dpp>
 """
 
 import argparse
 import importlib
 import sys
-from pathlib import Path
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from megadpp.schedule_log import ScheduleLog  # noqa: E402
-from megadpp.side_by_side import STATIC, run_schedule, setup  # noqa: E402
+from megadpp.schedule_log import ScheduleLog
+from megadpp.side_by_side import STATIC, run_schedule, setup
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4  # of the largest weight: gradients summed over microbatches in another order
