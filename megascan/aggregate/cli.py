@@ -5,6 +5,8 @@ Bad input stops the tool before any work with one line naming the flag and what 
 a mistyped directory should cost seconds, not a merge. Flags and outputs: docs/megascan_aggregate.md.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
 import os
@@ -15,7 +17,7 @@ from megascan.aggregate.alignment_summary import describe_alignment
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.flight_recorder import FlightRecorderError, find_dumps, witness
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
-from megascan.aggregate.merged_trace import load_and_merge
+from megascan.aggregate.merged_trace import MergedTrace, load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
 from megascan.detection import detect
@@ -26,7 +28,7 @@ DEFAULT_OUTPUT = "benchmark.json"
 
 
 class UsageError(Exception):
-    def __init__(self, flag, message):
+    def __init__(self, flag: str, message: str):
         super().__init__(f"{flag}: {message}")
 
 
@@ -35,7 +37,7 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see --help)\n")
 
 
-def build_parser():
+def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=PROG, description="Merge the per-rank MegaScan trace files of one run into one "
                             "clock-aligned Chrome/Perfetto trace.")
     parser.add_argument("-b", "--benchmark", "--bench-dir", "--benchmark_dir", dest="directory", required=True,
@@ -149,7 +151,7 @@ def _causality_line(check):
                    f"out of the Chrome trace)")
 
 
-def summary(merged, outputs, seconds):
+def summary(merged: MergedTrace, outputs: list[tuple[str, str]], seconds: float) -> str:
     layout = merged.layout
     windows = sorted({w for t in merged.ranks.values() for w in t.windows})
     iterations = sorted({i for t in merged.ranks.values() for i in t.iterations})
@@ -169,7 +171,7 @@ def summary(merged, outputs, seconds):
     return "\n".join(lines)
 
 
-def run(args):
+def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     if not os.path.isdir(args.directory):
         raise UsageError("-b/--benchmark", f"{args.directory} is not a directory; pass the run's --trace-dir")
@@ -204,7 +206,7 @@ def run(args):
     return 0
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return run(args)

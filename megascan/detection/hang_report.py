@@ -1,12 +1,16 @@
 """What the report says about a hang: the hung ranks as suspects, the blocked ranks with what they wait for."""
 
+from __future__ import annotations
+
+from megascan.aggregate.merged_trace import MergedTrace, OpInstance
+from megascan.detection.hung_ranks import Blocked, Hung
 from megascan.detection.report import Suspect
 
 HUNG_SCORE = 100.0  # above any slow rank's score: a hang stops the job
 OPERATIONS_LISTED = 3
 
 
-def describe(instance):
+def describe(instance: OpInstance) -> str:
     if instance.kind == "p2p":
         return f"transfer {instance.src}->{instance.dst} #{instance.seq} on group {instance.group}"
     return f"{instance.op} on {instance.role} group {instance.participants} #{instance.seq}"
@@ -22,7 +26,7 @@ def _last_recorded(merged, ranks):
     return {rank: instance for rank, (_, instance) in last.items()}
 
 
-def hang_suspects(merged, hung):
+def hang_suspects(merged: MergedTrace, hung: list[Hung]) -> list[Suspect]:
     """A Suspect per Hung rank. A process stopped whole (SIGSTOP, a driver hang) stops its writer thread
     too, so its file may end before the operations its peers entered: the last operation it recorded
     is the last it left evidence of."""
@@ -43,7 +47,7 @@ def hang_suspects(merged, hung):
     return suspects
 
 
-def blocked_entries(merged, blocked):
+def blocked_entries(merged: MergedTrace, blocked: list[Blocked]) -> list[dict]:
     """The report's blocked list: [{rank, coords, operation, waits_for, behind}]."""
     return [{"rank": entry.rank, "coords": merged.ranks[entry.rank].coords, "operation": describe(entry.operation),
              "waits_for": entry.waits_for, "behind": entry.behind} for entry in blocked]
