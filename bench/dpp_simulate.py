@@ -16,9 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from megadpp.iteration_model import CostModel  # noqa: E402
 from megadpp.policy import POLICIES  # noqa: E402
 from megadpp.runtime import default_caps  # noqa: E402
-from megadpp.simulator import CostModel, simulate  # noqa: E402
+from megadpp.simulator import simulate  # noqa: E402
 from megadpp.static_orders import static_order  # noqa: E402
 
 
