@@ -19,10 +19,11 @@ import torch
 from megatron.core import tensor_parallel
 
 
-def draws_dropout_alike(args):
-    """Whether a forward instance can draw the masks of its backward partner (see the module docstring)."""
+def draws_dropout_alike(args, backward, forward):
+    """Whether a forward instance can draw the masks of its backward partner (see the module docstring);
+    ``backward``, ``forward``: the two worlds of the placement."""
     dropout = args.hidden_dropout > 0 or args.attention_dropout > 0
-    return dropout and args.fbd_forward_device == args.device and not args.ignore_forward_tensor_parallel
+    return dropout and forward.device == backward.device and not args.ignore_forward_tensor_parallel
 
 
 def _states():
