@@ -24,8 +24,9 @@ from megatron.core.utils import get_model_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpp_schedules import STATIC, parse_schedule, run_schedule, setup  # noqa: E402
+
 from megadpp.prediction import predict  # noqa: E402
-from megadpp.side_by_side import STATIC, parse_schedule, run_schedule, setup  # noqa: E402
 
 
 def main():

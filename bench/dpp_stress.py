@@ -28,8 +28,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dpp_schedules import STATIC, run_schedule, setup  # noqa: E402
+
 from megadpp.policy import POLICIES  # noqa: E402
-from megadpp.side_by_side import STATIC, run_schedule, setup  # noqa: E402
 
 
 def relative_differences(run, reference):

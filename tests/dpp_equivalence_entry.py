@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.dpp_schedules import STATIC, run_schedule, setup  # noqa: E402
 from megadpp.schedule_log import ScheduleLog  # noqa: E402
-from megadpp.side_by_side import STATIC, run_schedule, setup  # noqa: E402
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4  # of the largest weight: gradients summed over microbatches in another order

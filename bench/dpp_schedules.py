@@ -1,10 +1,13 @@
 """Train the same job from the same start under several pipeline schedules, one after another in one
-launch: megatron-core's static schedule and DPP's policies. The equivalence tests compare what they
-compute; bench/dpp_side_by_side.py compares how long they take.
+launch: megatron-core's static schedule and DPP's policies. The equivalence tests
+(tests/dpp_equivalence_entry.py) compare what they compute; bench/dpp_side_by_side.py and
+bench/dpp_stress.py compare how long they take and how repeatable they are. A harness, not part of
+MegaDPP: it sets the job up through the training loop (``setup_job``) and gives each ``Trainer`` the
+schedule to run.
 
 Each schedule gets a freshly built model, optimizer and data iterators (layout-invariant initialization
 with --use-cpu-initialization makes them equal), and the delays of --dpp-delay-stage and --dpp-delay-link
-(fault_injection.py: the same draws for every schedule). Needs --use-dpp
+(megadpp/fault_injection.py: the same draws for every schedule). Needs --use-dpp
 (its transport is shared by the DPP schedules) and no --trace (one trace session per job).
 """
 
