@@ -1,5 +1,8 @@
 """MegaDPP's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -10,7 +13,10 @@ from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stag
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
 from megatron.training.training_log import print_rank_0
-from megatron.training.transfer_trace import TransferChannel
+from megatron.training.transfer_trace import TransferChannel, TransferTrace
+
+if TYPE_CHECKING:  # importing the transport loads its compiled part: only where --use-dpp asks for it
+    from megadpp.transport import TransferEvent
 
 
 class MegaDPPPlugin:
@@ -83,7 +89,8 @@ class MegaDPPPlugin:
             print_rank_0(f"MegaDPP: wrote the schedule each rank ran to {context.args.dpp_log_schedule}")
 
 
-def transfer_reporter(sink, channel, rank_offset):
+def transfer_reporter(sink: TransferTrace, channel: TransferChannel,
+                      rank_offset: int) -> Callable[["TransferEvent"], None]:
     """The transport's observer: each completed transfer (a TransferEvent) into the run's sink, its peer as a
     launch rank (``rank_offset``: the launch rank of this world's rank 0)."""
 

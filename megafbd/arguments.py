@@ -2,7 +2,8 @@
 
 from megafbd.layout import BACKWARD, FORWARD, InstanceLayout
 from megatron.training.errors import ArgumentError
-from megatron.training.placement import Placement, World
+from megatron.training.frozen_args import FrozenArgs
+from megatron.training.placement import Launch, Placement, World
 
 
 def add_arguments(parser):
@@ -56,7 +57,7 @@ def _require(condition, message):
         raise ArgumentError(message)
 
 
-def validate_args(args):
+def validate_args(args: FrozenArgs) -> dict[str, object]:
     """Check the flags; the values validation normalises (the forward instances' device, CUDA graphs off)."""
     _require(args.forward_backward_disaggregating,
              "--ignore-forward-tensor-parallel, --fbd-forward-device and --fbd-weight-staleness need "
@@ -86,7 +87,7 @@ def validate_args(args):
     return normalised
 
 
-def placement(args, launch):
+def placement(args: FrozenArgs, launch: Launch) -> Placement:
     """The launch as MegaFBD lays it out (layout.py): the backward instances, a world that trains as the
     flags say, then the forward instances, a world that serves it at its own tensor-parallel size and
     device (no sequence parallelism at TP1)."""

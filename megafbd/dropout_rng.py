@@ -18,8 +18,11 @@ loss-equivalent (docs/megafbd.md).
 import torch
 from megatron.core import tensor_parallel
 
+from megatron.training.frozen_args import FrozenArgs
+from megatron.training.placement import World
 
-def draws_dropout_alike(args, backward, forward):
+
+def draws_dropout_alike(args: FrozenArgs, backward: World, forward: World) -> bool:
     """Whether a forward instance can draw the masks of its backward partner (see the module docstring);
     ``backward``, ``forward``: the two worlds of the placement."""
     dropout = args.hidden_dropout > 0 or args.attention_dropout > 0

@@ -12,8 +12,10 @@ reported.
 
 import collections
 
+import torch
+
 from megafbd.coordinator import TAG_ACTIVATION, TAG_BATCH, TAG_INPUT_GRAD, TAG_STAGE_INPUT, TAG_WEIGHTS
-from megatron.training.transfer_trace import TransferChannel, TransferLabel
+from megatron.training.transfer_trace import TransferChannel, TransferLabel, TransferTrace
 
 TRACED = {TAG_WEIGHTS: "weights", TAG_STAGE_INPUT: "stage-input", TAG_BATCH: "batch",
           TAG_ACTIVATION: "activation", TAG_INPUT_GRAD: "input-grad"}
@@ -21,7 +23,7 @@ ROLE = "message"  # the role of the channels in a trace
 
 
 class MessageTrace:
-    def __init__(self, instance, sink):
+    def __init__(self, instance, sink: TransferTrace):
         self.instance = instance
         self.sink = sink  # the run's TransferTrace
         self.counts = collections.Counter()
@@ -47,7 +49,8 @@ class MessageTrace:
             return self.instance.link.members[peer]
         return self.instance.layout.kind_offset(self.instance.kind) + peer
 
-    def start(self, op, group, peer, tag, tensor, microbatch=None):
+    def start(self, op: str, group, peer: int, tag: int, tensor: torch.Tensor,
+              microbatch: int | None = None) -> object | None:
         """Number a ``send`` or ``recv`` of a traced message kind and report its start; the token for ``end``."""
         name = TRACED.get(tag)
         if name is None:
@@ -60,5 +63,5 @@ class MessageTrace:
         return self.sink.start(op, channel, peer, tensor.numel() * tensor.element_size(),
                                str(tensor.dtype).removeprefix("torch."), seq, label=label)
 
-    def end(self, token):
+    def end(self, token: object | None) -> None:
         self.sink.end(token)

@@ -17,6 +17,8 @@ import torch
 from megafbd.dropout_rng import draws_dropout_alike
 from megafbd.layout import BACKWARD, InstanceLayout, Link
 from megafbd.message_trace import MessageTrace
+from megatron.training.placement import Placement
+from megatron.training.run_context import RunContext
 
 
 @dataclass
@@ -46,14 +48,14 @@ class Instance:
         return f"{self.kind} instance (stage {where.pipeline}, replica {where.data}, tensor rank {where.tensor})"
 
 
-def layout_of(placement, pipeline):
+def layout_of(placement: Placement, pipeline: int) -> InstanceLayout:
     """The instance layout of a placement MegaFBD declared (arguments.placement), at ``pipeline`` stages."""
     backward, forward = placement.worlds
     tensor = backward.tensor_model_parallel_size
     return InstanceLayout(tensor, pipeline, backward.size // (tensor * pipeline), forward.tensor_model_parallel_size)
 
 
-def start_instance(context):
+def start_instance(context: RunContext) -> Instance:
     """Start this process's kind world (the default group), link and chain over the launch's store; returns
     the Instance. The configuration is this process's already (its world's device and tensor-parallel size)."""
     args, placement, store = context.args, context.placement, context.launch_store
