@@ -3,7 +3,8 @@
 and it records each one as the same send / recv op the process-group tracer (comm_tracer.py) records,
 through the same Recorder calls, so that the aggregation matches both ends and draws the flow.
 
-It records the transfers that start inside a traced iteration. Their times are host clock readings
+It records the transfers whose start is reported inside a traced iteration (a transport that reports a
+transfer once complete reports its start and end together). Their times are host clock readings
 (the sink's one clock rule): on CPU they are MegaScan's marks; on GPUs, where marks are CUDA events, the
 window's clock places host readings on the same wall clock as the events (timing.CudaWindowClock). A
 GPU transfer's times are then when the host handed it over and when the host saw it complete: later
