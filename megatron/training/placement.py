@@ -88,11 +88,6 @@ class Placement:
         """The launch ranks that run the training loop."""
         return [rank for world in self.worlds if world.trains for rank in world.launch_ranks]
 
-    @property
-    def serving_ranks(self) -> list[int]:
-        """The launch ranks that serve those that train (none in an ordinary run)."""
-        return [rank for world in self.worlds if not world.trains for rank in world.launch_ranks]
-
     def launch_ranks_of(self, world_ranks: Iterable[int]) -> list[int]:
         """The launch ranks of ranks of this process's world."""
         first = self.world.first_rank
@@ -103,6 +98,9 @@ def configuration_at(args: argparse.Namespace, placement: Placement) -> FrozenAr
     """The validated configuration as this process runs it: its world's device, tensor-parallel size,
     sequence parallelism and world size (the rest as validated: the vocabulary padding, the data-parallel
     size and the batch sizes are the training world's, which every world shares)."""
+    if len(placement.training_ranks) != args.world_size:  # the plugin's training_world_size and placement disagree
+        raise ValueError(f"placement: its training worlds hold {len(placement.training_ranks)} processes, but the "
+                         f"flags were validated for a training world of {args.world_size}")
     world = placement.world
     backend = args.distributed_backend
     if world.device != args.device:  # a world on another device than the flags (MegaFBD's CPU forward instances)
