@@ -15,13 +15,13 @@ import importlib
 import statistics
 
 import torch.distributed as dist
+from dpp_schedules import STATIC, parse_schedule, run_schedule, setup
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.utils import get_model_config
 
 from megadpp.prediction import predict
-from megadpp.side_by_side import STATIC, parse_schedule, run_schedule, setup
 
 
 def main():

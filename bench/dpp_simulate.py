@@ -12,9 +12,10 @@ each scenario's delays are drawn from seeds 0..--seeds-1, the same for every sch
 import argparse
 import statistics
 
+from megadpp.iteration_model import CostModel
 from megadpp.policy import POLICIES
 from megadpp.runtime import default_caps
-from megadpp.simulator import CostModel, simulate
+from megadpp.simulator import simulate
 from megadpp.static_orders import static_order
 
 

@@ -24,9 +24,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from dpp_schedules import STATIC, run_schedule, setup
 
 from megadpp.policy import POLICIES
-from megadpp.side_by_side import STATIC, run_schedule, setup
 
 
 def relative_differences(run, reference):

@@ -81,8 +81,7 @@ def bare_loop(job, iterations):
 
 
 def our_loop(job, iterations):
-    job.args.train_iters = job.state.iteration + iterations
-    job.trainer.train(job.state, job.train_iterator, None)
+    job.trainer.train(job.state, job.train_iterator, None, until=job.state.iteration + iterations)
 
 
 @exit_on_user_error

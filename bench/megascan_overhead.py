@@ -32,6 +32,7 @@ from megascan.layer_tracer import LayerTracer
 from megascan.session import is_traced
 from megatron.training.errors import exit_on_user_error
 from megatron.training.initialize import shutdown
+from megatron.training.training import Trainer
 
 MODES = ("off", "base", "full")
 
@@ -67,7 +68,10 @@ class IntervalRunner:
         # below the iteration's says the GPUs set the pace: a launch queue full of about a thousand
         # kernels blocks the host too, so a GPU-bound job may also issue in nearly its iteration time.
         self.schedule_host_seconds = [0.0]
-        job.trainer.forward_backward = _host_timed(job.trainer.forward_backward, self.schedule_host_seconds)
+        trainer = job.trainer
+        self.trainer = Trainer(job.context, trainer.registry, trainer.model, trainer.optimizer, trainer.scheduler,
+                               trainer.forward_step_func,
+                               schedule=_host_timed(trainer.forward_backward, self.schedule_host_seconds))
         # Events and ops of the windows handed to the writer: what a traced iteration records, so that
         # its added CPU time can be put per record (two marks each, plus the Python around them).
         self.records = [0]
@@ -80,12 +84,12 @@ class IntervalRunner:
         self.session.writer.submit = counted_submit
 
     def _iteration(self, cpu_seconds):
-        job, registry = self.job, self.job.trainer.registry
+        job, registry = self.job, self.trainer.registry
         self.iteration += 1
         started = time.thread_time()
-        registry.call("on_iteration_begin", job.args, self.iteration)
-        job.trainer.train_step(job.train_iterator)
-        registry.call("on_iteration_end", job.args, self.iteration, {})
+        registry.call("on_iteration_begin", job.context, self.iteration)
+        self.trainer.train_step(job.train_iterator)
+        registry.call("on_iteration_end", job.context, self.iteration, {})
         cpu_seconds.append(time.thread_time() - started)
 
     def run(self, mode):
@@ -189,7 +193,7 @@ def main():
                             statistic: {kind: (pooled([t for r in runs[mode] for t in r[kind]]) / pooled(off_pooled)
                                                - 1) * 100 for kind in kinds}
                             for statistic, pooled in _POOLED.items()}}
-    megascan.PLUGIN.on_train_end(args, runner.iteration)
+    megascan.PLUGIN.on_train_end(job.context, runner.iteration)
     report(args, result, f"megascan overhead {result['layout']} (interval {args.trace_interval}, "
                          f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} "
                          f"ms/iter (schedule issued in {result['schedule_host_ms']['off']:.1f} ms on the host, "

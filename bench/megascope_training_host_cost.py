@@ -21,7 +21,7 @@ added, iteration_ends = [], []
 
 
 def _timed_wrap_schedule(wrap_schedule):
-    def wrap(self, args, schedule):
+    def wrap(self, context, schedule):
         inside = [0.0]
 
         def timed_schedule(*a, **k):
@@ -31,7 +31,7 @@ def _timed_wrap_schedule(wrap_schedule):
             finally:
                 inside[0] = time.perf_counter() - start
 
-        wrapped = wrap_schedule(self, args, timed_schedule)
+        wrapped = wrap_schedule(self, context, timed_schedule)
 
         def run(*a, **k):
             start = time.perf_counter()
@@ -44,9 +44,9 @@ def _timed_wrap_schedule(wrap_schedule):
 
 
 def _timed_iteration_end(on_iteration_end):
-    def end(self, args, iteration, metrics):
+    def end(self, context, iteration, metrics):
         start = time.perf_counter()
-        on_iteration_end(self, args, iteration, metrics)
+        on_iteration_end(self, context, iteration, metrics)
         now = time.perf_counter()
         added[-1] += now - start
         iteration_ends.append(now)

@@ -1,5 +1,8 @@
 """MegaDPP's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -10,6 +13,10 @@ from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stag
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
 from megatron.training.training_log import print_rank_0
+from megatron.training.transfer_trace import TransferChannel, TransferTrace
+
+if TYPE_CHECKING:  # importing the transport loads its compiled part: only where --use-dpp asks for it
+    from megadpp.transport import TransferEvent
 
 
 class MegaDPPPlugin:
@@ -26,7 +33,8 @@ class MegaDPPPlugin:
     def validate_args(self, args):
         validate_args(args)
 
-    def after_setup(self, args, model, optimizer, scheduler):
+    def after_setup(self, context, model, optimizer, scheduler):
+        args = context.args
         if args.dpp_delay_stage is not None:
             install_stage_delay(model, args)
         if not args.use_dpp:
@@ -34,7 +42,7 @@ class MegaDPPPlugin:
                 StaticLinkDelay(args, len(model), get_num_microbatches(),
                                 get_model_config(model[0]).microbatch_group_size_per_vp_stage).install()
             return
-        transport, kind = self._transport(args)
+        transport, kind = self._transport(context)
         self.log = ScheduleLog(args.dpp_log_schedule) if args.dpp_log_schedule else None
         self.schedule = DynamicPipelineSchedule(args.dpp_policy, transport, args.dpp_max_inflight, self.log,
                                                 arrival_delay(args), stall_timeout(args))
@@ -43,39 +51,51 @@ class MegaDPPPlugin:
                      f"activation cap per stage: {cap}")
 
     @staticmethod
-    def _transport(args):
+    def _transport(context):
         """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
-        torch.distributed between CPUs of different nodes). With --trace the transport reports each transfer
-        to MegaScan (host clock times, which MegaScan places on its timeline beside its CUDA events on GPUs)."""
+        torch.distributed between CPUs of different nodes). The transport reports every transfer into the
+        run's transfer-trace sink (host clock times; a tracer, if any, records them)."""
         # Imported here: loading the compiled transport prints what it lacks, which a run without
         # --use-dpp (or one refused at its flags) must not show.
         from megadpp.transport import create_transport
 
+        args = context.args
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         pipeline = dist.get_process_group_ranks(pp_group)
         stage = parallel_state.get_pipeline_model_parallel_rank()
         peers = sorted({pipeline[(stage + step) % len(pipeline)] for step in (-1, 1)} - {dist.get_rank()})
-        observer = None
-        if args.trace:
-            import megascan
-
-            observer = megascan.PLUGIN.session.transfer_reporter(f"megadpp-{pp_group.group_name}", pipeline, "pp")
+        channel = TransferChannel(f"megadpp-{pp_group.group_name}", tuple(context.placement.launch_ranks_of(pipeline)),
+                                  "pp")
+        observer = transfer_reporter(context.transfer_trace, channel, context.placement.world.first_rank)
         local = ("CUDA IPC" if args.device == "cuda" else "shared memory") + " within a node"
         if args.multi_node:
             local += ", torch.distributed across nodes"
-        traced = "; --trace records its transfers" if observer else ""
+        # A tracer installs its recorder before this hook runs (plugins run in registration order).
+        traced = "; --trace records its transfers" if context.transfer_trace.recording else ""
         return create_transport(args, peers, observer=observer), local + traced
 
-    def forward_backward_func(self, args):
+    def forward_backward_func(self, context):
         return self.schedule
 
-    def on_iteration_begin(self, args, iteration):
+    def on_iteration_begin(self, context, iteration):
         if self.log is not None:
             self.log.iteration = iteration
 
-    def on_train_end(self, args, iteration):
+    def on_train_end(self, context, iteration):
         if self.schedule is not None:
             self.schedule.transport.close()
         if self.log is not None:
             self.log.write()
-            print_rank_0(f"MegaDPP: wrote the schedule each rank ran to {args.dpp_log_schedule}")
+            print_rank_0(f"MegaDPP: wrote the schedule each rank ran to {context.args.dpp_log_schedule}")
+
+
+def transfer_reporter(sink: TransferTrace, channel: TransferChannel,
+                      rank_offset: int) -> Callable[["TransferEvent"], None]:
+    """The transport's observer: each completed transfer (a TransferEvent) into the run's sink, its peer as a
+    launch rank (``rank_offset``: the launch rank of this world's rank 0)."""
+
+    def report(event):
+        sink.report(event.op, channel, event.peer + rank_offset, event.nbytes, None, event.seq, event.start_ns,
+                    event.end_ns, event.label)
+
+    return report

@@ -1,6 +1,8 @@
 """Policies: which of the actions that are ready on a pipeline rank runs next. Plain code on data, shared by
 the runtime (megadpp/runtime.py, which measures time in seconds) and the simulator (megadpp/simulator.py,
-in its cost model's unit): both ask ``choose`` the same questions.
+in its cost model's unit): both ask ``choose`` the same questions. The policy reads how long a healthy
+pipeline waits off the static order run on the iteration model (megadpp/iteration_model.py), which the
+simulator shares.
 
 A pipeline rank follows megatron-core's static order (1F1B, or interleaved 1F1B with a virtual pipeline,
 megadpp/static_orders.py) for as long as that order's next action is ready, and so runs exactly that order
@@ -35,6 +37,7 @@ forwards into backwards). Without a virtual pipeline (one chunk) the two coincid
 import functools
 
 from megadpp.actions import FORWARD
+from megadpp.iteration_model import CostModel, replay_static_orders
 from megadpp.static_orders import static_order
 
 PATIENCE_ACTIONS = 1.0  # mean action durations awaited beyond a healthy pipeline's wait
@@ -104,13 +107,10 @@ def _healthy_waits(stages, chunks, microbatches, group_size):
     """pp rank -> {action: how long a healthy pipeline running the static order waits before it, in mean
     action durations}: every forward of a chunk costs the same, backwards twice that, sends are
     asynchronous, and each transfer on the path to the awaited input counts ``TRANSFER_ACTIONS``."""
-    from megadpp.simulator import CostModel, simulate  # the simulator runs this policy: imported late
-
     orders = {r: static_order(r, stages, chunks, microbatches, group_size) for r in range(stages)}
 
     def idle(transfer):
-        cost = CostModel(transfer_ms=transfer)
-        return simulate(stages, chunks, microbatches, cost, static_orders=orders, blocking_sends=False).idle
+        return replay_static_orders(stages, chunks, CostModel(transfer_ms=transfer), orders, blocking_sends=False).idle
 
     # Transfers that the wait is made of: how much it grows per unit of transfer time.
     probe = 1e-3

@@ -13,9 +13,10 @@ folded into the solved cost, which makes the predicted ratio a little closer to 
 import statistics
 from dataclasses import dataclass
 
+from megadpp.iteration_model import CostModel
 from megadpp.policy import POLICIES
 from megadpp.runtime import default_caps
-from megadpp.simulator import CostModel, simulate
+from megadpp.simulator import simulate
 from megadpp.static_orders import static_order
 
 TRANSFER_MS = 0.2  # one activation between neighbouring GPUs of a host (16 MiB over NVLink); small either way

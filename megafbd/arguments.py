@@ -1,7 +1,9 @@
 """MegaFBD's flags and every check of how they fit the launch and the other flags."""
 
-from megafbd.layout import InstanceLayout
+from megafbd.layout import BACKWARD, FORWARD, InstanceLayout
 from megatron.training.errors import ArgumentError
+from megatron.training.frozen_args import FrozenArgs
+from megatron.training.placement import Launch, Placement, World
 
 
 def add_arguments(parser):
@@ -55,7 +57,8 @@ def _require(condition, message):
         raise ArgumentError(message)
 
 
-def validate_args(args):
+def validate_args(args: FrozenArgs) -> dict[str, object]:
+    """Check the flags; the values validation normalises (the forward instances' device, CUDA graphs off)."""
     _require(args.forward_backward_disaggregating,
              "--ignore-forward-tensor-parallel, --fbd-forward-device and --fbd-weight-staleness need "
              "--forward-backward-disaggregating")
@@ -69,15 +72,28 @@ def validate_args(args):
              "--forward-backward-disaggregating cannot be combined with --overlap-param-gather (the forward "
              "instances need the updated weights right after the step); drop --overlap-param-gather")
     _require(args.fbd_checksum_interval >= 1, "--fbd-checksum-interval must be >= 1")
-    if args.fbd_forward_device is None:
-        args.fbd_forward_device = args.device
-    _require(args.fbd_forward_device == "cpu" or args.device == "cuda",
+    forward_device = args.device if args.fbd_forward_device is None else args.fbd_forward_device
+    _require(forward_device == "cpu" or args.device == "cuda",
              "--fbd-forward-device cuda needs --device cuda; use --fbd-forward-device cpu")
-    _require(not (args.fbd_forward_device == "cpu" and args.fp16),
+    _require(not (forward_device == "cpu" and args.fp16),
              "--fbd-forward-device cpu cannot run --fp16 (no CPU kernels); use --bf16")
+    normalised = {"fbd_forward_device": forward_device}
     if args.cuda_graph_impl != "none":
         # The layers' graphs are captured around megatron-core's schedules, not the backward instances'.
         _require(args.cuda_graph_by_default,
                  f"--forward-backward-disaggregating cannot replay CUDA graphs (--cuda-graph-impl "
                  f"{args.cuda_graph_impl}); drop it")
-        args.cuda_graph_impl, args.cuda_graph_note = "none", "off with --forward-backward-disaggregating"
+        normalised.update(cuda_graph_impl="none", cuda_graph_note="off with --forward-backward-disaggregating")
+    return normalised
+
+
+def placement(args: FrozenArgs, launch: Launch) -> Placement:
+    """The launch as MegaFBD lays it out (layout.py): the backward instances, a world that trains as the
+    flags say, then the forward instances, a world that serves it at its own tensor-parallel size and
+    device (no sequence parallelism at TP1)."""
+    layout = InstanceLayout.for_launch(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                                       forward_tensor_size(args), launch.size)
+    backward = World(BACKWARD, 0, layout.backward_size, layout.tensor, args.sequence_parallel, args.device)
+    forward = World(FORWARD, layout.backward_size, layout.forward_size, layout.forward_tensor,
+                    args.sequence_parallel and layout.forward_tensor > 1, args.fbd_forward_device, trains=False)
+    return Placement(launch.rank, (backward, forward))

@@ -24,7 +24,7 @@ STOP, GO = 0, 1
 
 class Coordinator:
     def __init__(self, name, messages, max_queued=64, max_in_flight=256):
-        self.messages = messages  # message_trace.MessageTrace: numbers and records the messages for --trace
+        self.messages = messages  # message_trace.MessageTrace: numbers the messages, reports them to the sink
         self._queue = queue.Queue(maxsize=max_queued)
         # Sends started and not yet known to be received, oldest first. gloo marks a send done only
         # when waited on, so a second thread waits on them in order: the sending thread never blocks on
@@ -32,9 +32,6 @@ class Coordinator:
         self._in_flight = queue.Queue()
         self._slots = threading.BoundedSemaphore(max_in_flight)
         self._error = None
-        # The completion thread marks the end of traced sends (--trace): on GPU a CUDA event, which must be
-        # on this process's device, not on the device 0 a new thread starts on.
-        self._device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
         self._threads = [threading.Thread(target=target, name=f"megafbd-{role}-{name}", daemon=True)
                          for role, target in (("coordinator", self._send_loop), ("completion", self._wait_loop))]
         for thread in self._threads:
@@ -81,8 +78,7 @@ class Coordinator:
                 self._error = error
 
     def _wait_loop(self):
-        if self._device is not None:
-            torch.cuda.set_device(self._device)
+        # It marks the end of sends for the transfer-trace sink: host clock readings, no device work here.
         while True:
             item = self._in_flight.get()
             if item is None:

@@ -18,11 +18,15 @@ loss-equivalent (docs/megafbd.md).
 import torch
 from megatron.core import tensor_parallel
 
+from megatron.training.frozen_args import FrozenArgs
+from megatron.training.placement import World
 
-def draws_dropout_alike(args):
-    """Whether a forward instance can draw the masks of its backward partner (see the module docstring)."""
+
+def draws_dropout_alike(args: FrozenArgs, backward: World, forward: World) -> bool:
+    """Whether a forward instance can draw the masks of its backward partner (see the module docstring);
+    ``backward``, ``forward``: the two worlds of the placement."""
     dropout = args.hidden_dropout > 0 or args.attention_dropout > 0
-    return dropout and args.fbd_forward_device == args.device and not args.ignore_forward_tensor_parallel
+    return dropout and forward.device == backward.device and not args.ignore_forward_tensor_parallel
 
 
 def _states():

@@ -41,7 +41,9 @@ from megatron.training.training import build_iterators
 
 
 class ForwardInstance:
-    def __init__(self, args, instance, parts):
+    def __init__(self, context, instance, parts):
+        args = context.args  # this process's: the forward instances' device and tensor-parallel size
+        self.context = context
         self.args = args
         self.instance = instance
         self.parts = parts
@@ -54,7 +56,7 @@ class ForwardInstance:
         for param in self.model.parameters():
             param.requires_grad_(False)
         # Dropout only where this instance can draw its backward partner's masks (dropout_rng.py).
-        self.model.train(args.fbd_draws_dropout)
+        self.model.train(instance.draws_dropout)
         self.weights = WeightSync.for_forward(instance, self.model, args.fbd_checksum_interval)
         self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}", instance.messages)
         self.data_iterator = None
@@ -65,8 +67,8 @@ class ForwardInstance:
         self.device = torch.device(torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
         # The other plugins see this loop as a training loop without an optimizer (MegaScan traces it).
         self.plugins = parts.registry
-        self.plugins.call("after_setup", args, [self.model], None, None)
-        self.forward_pass = self.plugins.wrap_schedule(args, self._forward_microbatches)
+        self.plugins.call("after_setup", context, [self.model], None, None)
+        self.forward_pass = self.plugins.wrap_schedule(context, self._forward_microbatches)
 
     def _on_sigterm(self, signum, frame):
         self.sigterm_received = True
@@ -93,18 +95,18 @@ class ForwardInstance:
             # The iteration (and its trace) begins with the weights' arrival: the backward instances send
             # them with the command. Those of step iteration-1 are on their way; the model must hold step
             # iteration-1-staleness.
-            self.plugins.call("on_iteration_begin", self.args, iteration)
+            self.plugins.call("on_iteration_begin", self.context, iteration)
             self._post_weights(pending, up_to=iteration - 1)
             self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
-            if self.args.fbd_draws_dropout and not self.last:
+            if self.instance.draws_dropout and not self.last:
                 load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
             self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
                               model=[self.model])
-            self.plugins.call("on_iteration_end", self.args, iteration, {"losses": {}, "grad_norm": None,
-                                                                        "skipped": False})
+            self.plugins.call("on_iteration_end", self.context, iteration, {"losses": {}, "grad_norm": None,
+                                                                           "skipped": False})
             self.weights.check_loaded()
             iterations += 1
-        self.plugins.call("on_train_end", self.args, iteration)
+        self.plugins.call("on_train_end", self.context, iteration)
         self.coordinator.close()
         self._report(iterations)
 
@@ -154,7 +156,7 @@ class ForwardInstance:
         instances split the sequence (sequence parallelism) and this one does not."""
         receivers = len(self.instance.link.backward_members)
         parts = [stage_input] * receivers
-        if receivers > 1 and self.args.fbd_backward_sequence_parallel:
+        if receivers > 1 and self.instance.backward_sequence_parallel:
             parts = stage_input.chunk(receivers, dim=0)
         for link_rank, part in enumerate(parts):
             self.coordinator.send(self.instance.link_group, part, link_rank, TAG_STAGE_INPUT, microbatch)

@@ -1,9 +1,10 @@
 """MegaFBD's plugin object: the training loop's hooks (see megatron/training/plugins.py).
 
-Before the process groups start, the launch is split into backward and forward instances
-(``layout.py``). A backward process then runs the ordinary training loop with the backward
-schedule and sends the weights of every step to its forward instance with the next command; a
-forward process runs ``ForwardInstance`` instead of the loop.
+MegaFBD declares how the launch splits into backward and forward instances (``placement``: each kind a
+world of its own, ``layout.py``), and the loop gives each process its world's configuration (the
+forward instances' device and tensor-parallel size). A backward process then runs the ordinary
+training loop with the backward schedule and sends the weights of every step to its forward instance
+with the next command; a forward process runs ``ForwardInstance`` instead of the loop.
 """
 
 import os
@@ -12,10 +13,9 @@ import signal
 
 import torch
 
-from megafbd.arguments import add_arguments, backward_world_size, is_requested, validate_args
+from megafbd.arguments import add_arguments, backward_world_size, is_requested, placement, validate_args
 from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, TAG_RNG, Coordinator, receive
-from megafbd.dropout_rng import draws_dropout_alike, packed_state
-from megafbd.layout import InstanceLayout
+from megafbd.dropout_rng import packed_state
 from megafbd.process_groups import is_backward, start_instance
 
 
@@ -37,18 +37,15 @@ class MegaFBDPlugin:
         return backward_world_size(args, launched) if args.forward_backward_disaggregating else launched
 
     def validate_args(self, args):
-        validate_args(args)
+        return validate_args(args)
 
-    def start_process_group(self, args):
-        launched = int(os.environ.get("WORLD_SIZE", "1"))
-        layout = InstanceLayout.for_launch(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                           1 if args.ignore_forward_tensor_parallel
-                                           else args.tensor_model_parallel_size,
-                                           launched)
-        args.fbd_backward_sequence_parallel = args.sequence_parallel
-        args.fbd_draws_dropout = draws_dropout_alike(args)  # before a forward process takes its own device
-        self.instance = start_instance(args, layout)
+    def placement(self, args, launch):
+        return placement(args, launch)
+
+    def start_process_group(self, context):
+        self.instance = start_instance(context)
         if self.instance.global_rank == 0:
+            args, layout = context.args, self.instance.layout
             print(f"megafbd: {layout.backward_size} backward instances (TP{layout.tensor} x PP{layout.pipeline} x "
                   f"DP{layout.data}, {args.device}) + {layout.forward_size} forward instances (TP"
                   f"{layout.forward_tensor} x PP{layout.pipeline} x DP{layout.data}, {args.fbd_forward_device}); "
@@ -56,34 +53,35 @@ class MegaFBDPlugin:
                   f"iterations", flush=True)
         return True
 
-    def run_process(self, args, parts):
+    def run_process(self, context, parts):
         if is_backward(self.instance):
             return False
         from megafbd.forward_instance import ForwardInstance
 
-        ForwardInstance(args, self.instance, parts).run()
+        ForwardInstance(context, self.instance, parts).run()
         return True
 
     # The loop's hooks below act on backward instances only: a forward instance calls the plugins'
     # hooks from its own loop for the other plugins' sake (tracing).
 
-    def after_setup(self, args, model, optimizer, scheduler):
+    def after_setup(self, context, model, optimizer, scheduler):
         if not is_backward(self.instance):
             return
         from megafbd.weight_sync import WeightSync
 
         self.coordinator = Coordinator(f"{self.instance.kind}-{self.instance.global_rank}", self.instance.messages)
-        self.weights = WeightSync.for_backward(self.instance, model[0], args.fbd_checksum_interval, self.coordinator)
+        self.weights = WeightSync.for_backward(self.instance, model[0], context.args.fbd_checksum_interval,
+                                               self.coordinator)
 
-    def forward_backward_func(self, args):
+    def forward_backward_func(self, context):
         if not is_backward(self.instance):
             return None
         from megafbd.backward_schedule import BackwardSchedule
 
-        self.schedule = BackwardSchedule(args, self.instance, self.coordinator)
+        self.schedule = BackwardSchedule(context.args, self.instance, self.coordinator)
         return self.schedule
 
-    def _command(self, args, command, iteration):
+    def _command(self, command, iteration):
         """Tell the forward instance what comes next; its answer says whether it was sent SIGTERM."""
         # The weights of the steps done since the last command (after --load, those training starts from,
         # as step iteration-1), sent here rather than right after the step so that the forward instance's
@@ -95,7 +93,7 @@ class MegaFBDPlugin:
         if self.instance.link_rank != 0:
             return
         last_stage = self.instance.coordinates.pipeline == self.instance.layout.pipeline - 1
-        if command == GO and args.fbd_draws_dropout and not last_stage:  # the iteration's masks: dropout_rng.py
+        if command == GO and self.instance.draws_dropout and not last_stage:  # the iteration's masks: dropout_rng.py
             self.coordinator.send(self.instance.link_group, packed_state(), self.instance.link.forward_link_rank,
                                   TAG_RNG)
         self.coordinator.send(self.instance.link_group, torch.tensor([command, iteration]),
@@ -105,14 +103,15 @@ class MegaFBDPlugin:
         if signalled.item():  # the backward instances' SIGTERM agreement takes it from here
             os.kill(os.getpid(), signal.SIGTERM)
 
-    def on_iteration_begin(self, args, iteration):
+    def on_iteration_begin(self, context, iteration):
         if is_backward(self.instance):
-            self._command(args, GO, iteration)
+            self._command(GO, iteration)
 
-    def on_train_end(self, args, iteration):
+    def on_train_end(self, context, iteration):
         if not is_backward(self.instance):
             return
-        self._command(args, STOP, iteration)
+        args = context.args
+        self._command(STOP, iteration)
         self.weights.send_checksum()
         self.coordinator.close()
         peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"

@@ -10,13 +10,15 @@ they never interleave with the collectives of the compute.
 """
 
 import datetime
-import os
 from dataclasses import dataclass
 
 import torch
 
-from megafbd.layout import BACKWARD, FORWARD, InstanceLayout, Link
+from megafbd.dropout_rng import draws_dropout_alike
+from megafbd.layout import BACKWARD, InstanceLayout, Link
 from megafbd.message_trace import MessageTrace
+from megatron.training.placement import Placement
+from megatron.training.run_context import RunContext
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Instance:
     link: Link
     link_group: object  # ProcessGroupGloo over link.members
     chain_group: object  # ProcessGroupGloo over this kind's world, ranks as in that world
+    draws_dropout: bool  # the forward instances draw their backward partners' dropout masks (dropout_rng.py)
+    backward_sequence_parallel: bool  # the backward instances split the sequence (what the forward ones send)
     messages: object = None  # message_trace.MessageTrace of this instance's messages
 
     @property
@@ -44,54 +48,34 @@ class Instance:
         return f"{self.kind} instance (stage {where.pipeline}, replica {where.data}, tensor rank {where.tensor})"
 
 
-def configure_forward_process(args, layout):
-    """A forward instance runs the same model at its own tensor-parallel size and device."""
-    args.tensor_model_parallel_size = layout.forward_tensor
-    if layout.forward_tensor == 1:
-        args.sequence_parallel = False
-    if args.fbd_forward_device != args.device:
-        args.device = args.fbd_forward_device
-        args.distributed_backend = "gloo" if args.device == "cpu" else args.distributed_backend
-    args.world_size = layout.forward_size
+def layout_of(placement: Placement, pipeline: int) -> InstanceLayout:
+    """The instance layout of a placement MegaFBD declared (arguments.placement), at ``pipeline`` stages."""
+    backward, forward = placement.worlds
+    tensor = backward.tensor_model_parallel_size
+    return InstanceLayout(tensor, pipeline, backward.size // (tensor * pipeline), forward.tensor_model_parallel_size)
 
 
-def traced_world(layout, kind, global_rank, store):
-    """Where this kind's world sits in the run's trace (--trace): both kinds write one trace under their
-    launch-wide ranks; the forward instances' group ids are kept apart from the backward instances', and
-    in the trace layout their tensor ranks follow the backward instances' (TP .. TP + TPf - 1)."""
-    from megascan.traced_world import TracedWorld, new_run_id
-
-    if global_rank == 0:
-        store.set("megafbd/trace-run-id", new_run_id())
-    run_id = store.get("megafbd/trace-run-id").decode()
-    forward = kind == FORWARD
-    return TracedWorld(run_id, layout.kind_offset(kind), layout.world_size, f"{FORWARD}/" if forward else "",
-                       layout.tensor if forward else 0, layout.tensor + layout.forward_tensor)
-
-
-def start_instance(args, layout):
-    """Start this process's kind world (the default group), link and chain; returns the Instance."""
-    global_rank = int(os.environ["RANK"])
+def start_instance(context: RunContext) -> Instance:
+    """Start this process's kind world (the default group), link and chain over the launch's store; returns
+    the Instance. The configuration is this process's already (its world's device and tensor-parallel size)."""
+    args, placement, store = context.args, context.placement, context.launch_store
+    layout = layout_of(placement, args.pipeline_model_parallel_size)
+    global_rank, kind = placement.launch_rank, placement.world.kind
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-    store, _, _ = next(torch.distributed.rendezvous("env://", global_rank, layout.world_size, timeout=timeout))
-    kind = layout.kind(global_rank)
-    args.instance_kind = kind
-    if kind == FORWARD:
-        configure_forward_process(args, layout)
-    if getattr(args, "trace", False):
-        args.traced_world = traced_world(layout, kind, global_rank, store)
-    kind_rank = layout.kind_rank(global_rank)
+    kind_rank = placement.world_rank
     torch.distributed.init_process_group(
         backend=args.distributed_backend, store=torch.distributed.PrefixStore(f"megafbd/{kind}/", store),
-        rank=kind_rank, world_size=layout.kind_size(kind), timeout=timeout)
+        rank=kind_rank, world_size=placement.world.size, timeout=timeout)
     link = layout.link(global_rank)
     link_group = torch.distributed.ProcessGroupGloo(
         torch.distributed.PrefixStore(f"megafbd/link/{link.name}/", store), link.link_rank(global_rank),
         len(link.members), timeout)
     chain_group = torch.distributed.ProcessGroupGloo(
         torch.distributed.PrefixStore(f"megafbd/chain/{kind}/", store), kind_rank, layout.kind_size(kind), timeout)
-    instance = Instance(layout, global_rank, kind, link, link_group, chain_group)
-    instance.messages = MessageTrace(instance)
+    backward, forward = placement.worlds
+    instance = Instance(layout, global_rank, kind, link, link_group, chain_group,
+                        draws_dropout_alike(args, backward, forward), backward.sequence_parallel)
+    instance.messages = MessageTrace(instance, context.transfer_trace)
     return instance
 
 

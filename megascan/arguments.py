@@ -97,14 +97,15 @@ def validate_detect_args(args):
 def compose_with_cuda_graphs(args):
     """Granularity ``full`` times each layer's halves from Python; a CUDA-graphed layer replays as one
     launch that no Python hook sees. Graphs that were only the default give way (the start-up log says
-    so); graphs the user asked for with full tracing are refused in one line."""
+    so): the values validation normalises, else None; graphs the user asked for with full tracing are
+    refused in one line."""
     if not (args.trace and args.trace_granularity == "full" and args.cuda_graph_impl != "none"):
-        return
+        return None
     _require(args.cuda_graph_by_default,
              f"--trace-granularity full times every layer, which --cuda-graph-impl {args.cuda_graph_impl} "
              f"replays as one launch; use --trace-granularity base or drop the CUDA graphs")
-    args.cuda_graph_impl = "none"
-    args.cuda_graph_note = "off: MegaScan --trace-granularity full times every layer from Python"
+    return {"cuda_graph_impl": "none",
+            "cuda_graph_note": "off: MegaScan --trace-granularity full times every layer from Python"}
 
 
 def _existing_ancestor(path):

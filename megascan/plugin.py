@@ -26,13 +26,16 @@ class MegaScanPlugin:
 
     def validate_args(self, args):
         validate_detect_args(args)
+        normalised = None
         if args.trace:
             validate_trace_args(args)
-            compose_with_cuda_graphs(args)
+            normalised = compose_with_cuda_graphs(args)
         if fault_injection_requested(args):
             validate_fault_injection_args(args)
+        return normalised
 
-    def after_setup(self, args, model, optimizer, scheduler):
+    def after_setup(self, context, model, optimizer, scheduler):
+        args = context.args
         if args.inject_slowdown_rank == dist.get_rank():
             slow_down(model, args.inject_slowdown_factor)
         if args.inject_host_delay_rank == dist.get_rank():
@@ -43,21 +46,21 @@ class MegaScanPlugin:
             # only a traced run loads the tracers
             from megascan.session import TraceSession
 
-            self.session = TraceSession(args, model, optimizer)
+            self.session = TraceSession(context, model, optimizer)
 
-    def wrap_schedule(self, args, schedule):
+    def wrap_schedule(self, context, schedule):
         return self.session.wrap_schedule(schedule) if self.session else schedule
 
-    def on_iteration_begin(self, args, iteration):
+    def on_iteration_begin(self, context, iteration):
         if self.hang:
             self.hang.on_iteration_begin(iteration)
         if self.session:
             self.session.iteration_begin(iteration)
 
-    def on_iteration_end(self, args, iteration, metrics):
+    def on_iteration_end(self, context, iteration, metrics):
         if self.session:
             self.session.iteration_end(iteration)
 
-    def on_train_end(self, args, iteration):
+    def on_train_end(self, context, iteration):
         if self.session:
             self.session.finish()

@@ -13,13 +13,13 @@ from megatron.core.utils import get_model_config
 from megascan.comm_tracer import CommTracer
 from megascan.compute_tracer import OptimizerTracer, ScheduleTimers, ScheduleTracer
 from megascan.layer_tracer import LayerTracer
-from megascan.message_tracer import MessageTracer
 from megascan.nvml_probe import NvmlProbe
 from megascan.recorder import Recorder
 from megascan.timing import make_timer
 from megascan.trace_writer import TraceWriter
-from megascan.traced_world import new_run_id
 from megascan.traced_world import of as traced_world_of
+from megascan.traced_world import shared_run_id
+from megascan.transfer_recorder import TransferRecorder
 
 
 def is_traced(iteration, interval, continuous):
@@ -31,23 +31,21 @@ def trace_file_name(dp, pp, tp):
     return f"benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json"
 
 
-def _shared_run_id():
-    run_id = [new_run_id()]
-    dist.broadcast_object_list(run_id, src=0)
-    return run_id[0]
-
-
 class TraceSession:
-    def __init__(self, args, model_chunks, optimizer):
+    def __init__(self, context, model_chunks, optimizer):
+        args = context.args
         self.args = args
+        self.context = context
         self.interval, self.continuous = args.trace_interval, args.continuous_trace_iterations
         self.recorder = Recorder(make_timer(args))
         self.config = get_model_config(model_chunks[0])
         self.schedule = ScheduleTracer(self.recorder, model_chunks)
         self.timers = ScheduleTimers(self.recorder)
-        self.world = traced_world_of(args)
-        self.messages = MessageTracer(self.recorder)
-        self.switchable = [CommTracer(self.recorder, self.world), self.messages]
+        self.world = traced_world_of(context.placement)
+        # What MegaDPP's transport and MegaFBD's coordinator report into the run's transfer-trace sink.
+        self.transfers = TransferRecorder(self.recorder)
+        context.transfer_trace.install(self.transfers)
+        self.switchable = [CommTracer(self.recorder, self.world), self.transfers]
         if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
             self.switchable.append(OptimizerTracer(self.recorder, optimizer))
         if args.trace_granularity == "full":
@@ -82,10 +80,11 @@ class TraceSession:
         on_gpu = args.device == "cuda"
         device_index = torch.cuda.current_device() if on_gpu else None
         return {
-            "type": "metadata", "format": "megascan", "version": 1, "run_id": world.run_id or _shared_run_id(),
+            "type": "metadata", "format": "megascan", "version": 1,
+            "run_id": shared_run_id(self.context.launch_store, self.context.placement),
             "rank": dist.get_rank() + world.rank_offset, "world_size": world.world_size, "coords": coords,
-            # "training", or which kind of instance of a disaggregated run (MegaFBD: "backward", "forward")
-            "instance_kind": getattr(args, "instance_kind", "training"),
+            # "training", or which world of a launch laid out by a plugin (MegaFBD: "backward", "forward")
+            "instance_kind": self.context.placement.world.kind,
             "layout": {"dp": args.data_parallel_size, "pp": args.pipeline_model_parallel_size,
                        "tp": world.tensor_size, "vp": len(model_chunks),
                        "sequence_parallel": args.sequence_parallel,
@@ -98,12 +97,6 @@ class TraceSession:
             "timer": self.recorder.timer.source, "granularity": args.trace_granularity,
             "trace_interval": self.interval, "continuous_trace_iterations": self.continuous,
             "train_iters": args.train_iters}
-
-    def transfer_reporter(self, group, ranks, role):
-        """An observer for a transport that bypasses torch.distributed (reported_transfers.py)."""
-        from megascan.reported_transfers import TransferReporter
-
-        return TransferReporter(self.recorder, group, ranks, role)
 
     def wrap_schedule(self, schedule):
         return self.schedule.wrap(schedule)
@@ -141,10 +134,8 @@ class TraceSession:
 
     def _judge_window(self, window, iteration):
         alert = self.detection.evaluate(window)
-        if alert is not None:  # every rank has the verdict: all stop after this iteration
-            if dist.get_rank() == 0:
-                print(f"MegaScan: stopping training after iteration {iteration} (--trace-detect-exit)", flush=True)
-            self.args.train_iters = iteration  # the loop ends here and saves a checkpoint when --save is set
+        if alert is not None:  # every rank has the verdict: all stop after this iteration (saving with --save)
+            self.context.request_stop(f"MegaScan: stopping training after iteration {iteration} (--trace-detect-exit)")
 
     def finish(self):
         if self.recorder.window is not None:

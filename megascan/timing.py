@@ -103,7 +103,7 @@ class CudaWindowClock:
         self.uncertainty_us = (after - before) / 2000.0
 
     def to_wall_us(self, mark):
-        if isinstance(mark, int):  # a host clock reading (a transport's reported transfer: reported_transfers.py)
+        if isinstance(mark, int):  # a host clock reading (a transfer from the sink: transfer_recorder.py)
             return self.host.to_wall_us(mark)
         self.used[id(mark)] = mark
         _wait_for(mark)

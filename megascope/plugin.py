@@ -28,18 +28,17 @@ class MegaScopePlugin:
         if not 1 <= args.training_ws_port <= 65535:
             raise ArgumentError(f"--training-ws-port {args.training_ws_port}: a TCP port is 1 .. 65535")
 
-    def after_setup(self, args, model, optimizer, scheduler):
+    def after_setup(self, context, model, optimizer, scheduler):
         from megascope.training_session import TrainingSession  # only a run with the flag loads the server
 
-        self.session = TrainingSession(args, model, optimizer, scheduler)
-        if self.session.control_point(0, finished_iteration=False) == "stop":  # --training-ws-wait waits here
-            args.train_iters = 0
+        self.session = TrainingSession(context.args, model, optimizer, scheduler, context.request_stop)
+        self.session.control_point(0, finished_iteration=False)  # --training-ws-wait waits here
 
-    def wrap_schedule(self, args, schedule):
+    def wrap_schedule(self, context, schedule):
         return self.session.wrap_schedule(schedule)
 
-    def on_iteration_end(self, args, iteration, metrics):
+    def on_iteration_end(self, context, iteration, metrics):
         self.session.iteration_end(iteration, metrics)
 
-    def on_train_end(self, args, iteration):
+    def on_train_end(self, context, iteration):
         self.session.close()

@@ -3,7 +3,8 @@
 Every rank holds a TrainingSession. At each control point (after setup, after every iteration) rank 0
 turns what the clients asked for into a decision and broadcasts it over a gloo group (host memory, no
 device sync); every rank then applies the same capture spec and perturbations and runs, pauses (with a
-heartbeat every second, so no collective times out) or stops (the loop ends, saving with --save).
+heartbeat every second, so no collective times out) or stops (the loop's ``request_stop``: it ends after
+the iteration, saving with --save).
 With a client connected each iteration also streams its losses, learning rate, grad norm and per-layer
 norms, and the chosen sample's internals when a capture spec is set. No client: one small broadcast
 per iteration and nothing else.
@@ -30,8 +31,9 @@ STATES = {"run": RUNNING, "pause": PAUSED, "stop": STOPPING}  # a decision's act
 class TrainingSession:
     mode = "training"
 
-    def __init__(self, args, model, optimizer, scheduler):
+    def __init__(self, args, model, optimizer, scheduler, request_stop):
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
+        self.request_stop = request_stop  # RunContext.request_stop: the loop ends training, saving with --save
         self.group = torch.distributed.new_group(backend="gloo")
         self.is_server = torch.distributed.get_rank() == 0
         self.iteration = 0
@@ -93,7 +95,7 @@ class TrainingSession:
 
     # -- the training side (every rank) --------------------------------------------------------
     def control_point(self, iteration, finished_iteration):
-        """Collective: wait while paused; returns "run" or "stop"."""
+        """Collective: wait while paused; returns "run" or "stop" (then every rank asked the loop to stop)."""
         self.iteration = iteration
         while True:
             decision = [None]
@@ -106,6 +108,8 @@ class TrainingSession:
             decision = decision[0]
             self._apply(decision)
             self._tell_state(STATES[decision["action"]], replies)
+            if decision["action"] == "stop":
+                self.request_stop(f"MegaScope: a client stopped training at iteration {iteration}")
             if decision["action"] != "pause":
                 return decision["action"]
             finished_iteration = False
@@ -194,9 +198,7 @@ class TrainingSession:
                 "skipped": bool(metrics.get("skipped")), "activation_norms": activation_norms,
                 "grad_norms": grad_norms,
                 "state": self.control.state if self.control is not None else None})
-        if self.control_point(iteration, finished_iteration=True) == "stop":
-            print_rank_0(f"MegaScope: a client stopped training at iteration {iteration}")
-            self.args.train_iters = iteration  # the loop ends here and saves a checkpoint when --save is set
+        self.control_point(iteration, finished_iteration=True)
 
     def close(self):
         if self.control is not None:

@@ -14,10 +14,11 @@ from helpers.launch import TINY_GPT, run_script
 from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 
 from megadpp.actions import StageLayout
+from megadpp.iteration_model import CostModel
 from megadpp.policy import POLICIES
 from megadpp.prediction import predict
 from megadpp.runtime import default_caps
-from megadpp.simulator import CostModel, simulate
+from megadpp.simulator import simulate
 from megadpp.static_orders import static_order
 
 

@@ -5,6 +5,7 @@ to keep the launches few: the reference is one normal process with --recompute-g
 --recompute-method uniform, which every layout reproduces (tests/test_parallel_layouts.py).
 """
 
+import argparse
 import concurrent.futures
 import functools
 import json
@@ -27,10 +28,13 @@ from helpers.launch import (
     torchrun_command,
 )
 
+from megafbd.arguments import placement as declared_placement
 from megafbd.batch_transfer import pack, unpack
 from megafbd.layout import BACKWARD, FORWARD, InstanceLayout
 from megafbd.weight_sync import checksum
 from megascan.aggregate.merged_trace import load_and_merge
+from megatron.training.frozen_args import FrozenArgs, FrozenArgsError
+from megatron.training.placement import Launch, configuration_at
 
 ITERATIONS = 6
 RESUME_AT = 3
@@ -258,6 +262,24 @@ def test_layout_splits_backward_first_and_links_tp_backward_ranks_to_one_tp1_for
     assert link.backward_members == (4, 5) and link.forward_member == 8 + 2
     assert layout.link(10) == link and link.link_rank(10) == link.forward_link_rank == 2
     assert InstanceLayout.for_launch(tensor=2, pipeline=2, forward_tensor=1, launched=10) is None
+
+
+def test_declared_placement_gives_a_forward_process_its_own_world_and_a_read_only_configuration():
+    """MegaFBD declares the split (TP2 backward with sequence parallelism on GPUs, TP1 forward on the CPU) and
+    the loop builds each process's configuration from it: nobody rewrites the flags."""
+    flags = argparse.Namespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1, sequence_parallel=True,
+                               ignore_forward_tensor_parallel=True, device="cuda", fbd_forward_device="cpu",
+                               distributed_backend="nccl", world_size=2, train_iters=5)
+    placement = declared_placement(FrozenArgs(flags), Launch(rank=2, size=3))
+    assert [(w.kind, w.first_rank, w.size, w.trains) for w in placement.worlds] == [
+        (BACKWARD, 0, 2, True), (FORWARD, 2, 1, False)]
+    forward = configuration_at(flags, placement)
+    assert (forward.device, forward.distributed_backend, forward.tensor_model_parallel_size, forward.sequence_parallel,
+            forward.world_size, forward.train_iters) == ("cpu", "gloo", 1, False, 1, 5)
+    backward = configuration_at(flags, declared_placement(FrozenArgs(flags), Launch(rank=1, size=3)))
+    assert vars(backward) == vars(flags)
+    with pytest.raises(FrozenArgsError):
+        forward.tensor_model_parallel_size = 2
 
 
 def test_checksum_sees_a_single_bit_and_a_swap():

@@ -11,6 +11,7 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from megatron.training.cpu_compat import install_cpu_compat
+from megatron.training.placement import Launch
 from megatron.training.save_lock import release_save_locks
 
 
@@ -22,24 +23,32 @@ def _use_deterministic_kernels():
     torch.use_deterministic_algorithms(True)
 
 
-def _init_process_group(args, plugin_start=None):
-    # A plugin may start the group over part of the launched processes; it goes first because it may
-    # change this process's settings (MegaFBD's forward instances: device, tensor-parallel size).
-    started_by_plugin = plugin_start is not None and plugin_start(args)
+def open_launch_store(args) -> torch.distributed.Store:
+    """The key-value store every process of the launch shares (torchrun's rendezvous store; a plain
+    ``python pretrain_gpt.py`` is a one-process launch, as under torchrun, that hosts its own)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    launch = Launch.from_environment()
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    store, _, _ = next(torch.distributed.rendezvous("env://", launch.rank, launch.size, timeout=timeout))
+    store.set_timeout(timeout)
+    return store
+
+
+def _init_process_group(args, plugin_start=None, store=None):
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         install_cpu_compat()
-    if not started_by_plugin and not torch.distributed.is_initialized():
-        # A plain `python pretrain_gpt.py` is a one-process job, as under torchrun.
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
-        torch.distributed.init_process_group(
-            backend=args.distributed_backend,
-            world_size=args.world_size,
-            rank=int(os.environ.get("RANK", "0")),
-            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
-        )
+    # A plugin may start the group over part of the launched processes (its world of a placement).
+    if (plugin_start is not None and plugin_start()) or torch.distributed.is_initialized():
+        return
+    # As init_process_group's own env:// start, on the launch's store (opened here unless the caller did).
+    store = open_launch_store(args) if store is None else store
+    torch.distributed.init_process_group(
+        backend=args.distributed_backend, world_size=args.world_size, rank=int(os.environ.get("RANK", "0")),
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        store=torch.distributed.PrefixStore("default_pg", store))
 
 
 def set_random_seed(seed, cuda_graphs=False):
@@ -53,11 +62,12 @@ def set_random_seed(seed, cuda_graphs=False):
     tensor_parallel.model_parallel_cuda_manual_seed(seed, use_cudagraphable_rng=cuda_graphs)
 
 
-def initialize_megatron(args, plugin_start=None):
-    """``plugin_start(args) -> bool``: a plugin's start of torch.distributed (see plugins.py)."""
+def initialize_megatron(args, plugin_start=None, store=None):
+    """``plugin_start() -> bool``: a plugin's start of torch.distributed (see plugins.py); ``store``: the
+    launch's store (``open_launch_store``) when the caller opened it, else the plain start opens its own."""
     if args.deterministic_mode:
         _use_deterministic_kernels()
-    _init_process_group(args, plugin_start)
+    _init_process_group(args, plugin_start, store)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,

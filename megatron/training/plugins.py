@@ -1,40 +1,98 @@
-"""The plugin contract of the training loop (see DESIGN.md) and the registry that holds the plugins.
+"""The plugin contract of the training loop (see ../shared/DESIGN.md) and the registry that holds the plugins.
 
-A plugin is an object with any subset of these methods; the loop calls only what exists:
+A plugin is an object with any subset of the methods of ``Plugin``; the loop calls only those that
+exist. Plugins come from ``BUILTIN_PLUGIN_MODULES`` (the MegatronApp modules, imported when installed)
+and from the ``MEGATRON_PLUGINS`` environment variable (comma-separated ``module`` or ``module:attribute``
+import paths). A module provides its plugin as ``PLUGIN``.
 
-    add_arguments(parser)                 register flags (always called, so --help lists them)
-    is_enabled(args) -> bool              a disabled plugin gets no further call: zero cost
-    training_world_size(args, launched) -> int       how many of the launched processes form the
-                                          training world (the others serve it, e.g. MegaFBD's forward
-                                          instances); called before the flags are validated against it
-    validate_args(args)                   check them; raise ArgumentError with one clear line
-    start_process_group(args) -> bool     start torch.distributed for this process (over a subset of the
-                                          launched processes) instead of the loop's plain start; may
-                                          change per-process settings (device, sizes); True when it did
-    run_process(args, job_parts) -> bool  run this process's whole job instead of the training loop
-                                          (MegaFBD's forward instances); True when it did
-    after_setup(args, model, optimizer, scheduler)   model and optimizer are built
-    forward_backward_func(args) -> callable | None   supply the schedule of an iteration
-    wrap_schedule(args, schedule) -> callable        wrap whichever schedule runs (tracing)
-    on_iteration_begin(args, iteration)
-    on_iteration_end(args, iteration, metrics)       metrics: losses, grad norm, skipped
-    on_train_end(args, iteration)                    flush, stop servers, release memory
+The order of a run: the flags are parsed (``add_arguments``) and checked (``is_enabled``,
+``training_world_size``, ``validate_args``, which may normalise values by returning them), a plugin
+may declare a layout of its own (``placement``); then the loop freezes the configuration and makes the
+``RunContext`` that every later hook receives: the read-only configuration (``context.args``, argparse's
+names), the placement, ``request_stop(reason)`` and the transfer-trace sink. Nobody edits the
+configuration afterwards (a write raises ``FrozenArgsError``). The hooks that run before the
+context exists get argparse's namespace read-only.
 
-Plugins come from ``BUILTIN_PLUGIN_MODULES`` (the MegatronApp modules, imported when installed)
-and from the ``MEGATRON_PLUGINS`` environment variable (comma-separated ``module`` or
-``module:attribute`` import paths). A module provides its plugin as ``PLUGIN``.
+Hooks are called in registration order (the built-in modules first: megascan, megadpp, megafbd,
+megascope), so a tracer installs its recorder before the other plugins' ``after_setup`` runs.
 """
 
+import argparse
 import importlib
 import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from megatron.training.errors import ArgumentError
+from megatron.training.frozen_args import FrozenArgs
+from megatron.training.placement import Launch, Placement
+from megatron.training.run_context import RunContext
+
+if TYPE_CHECKING:
+    from megatron.training.training import JobParts
 
 BUILTIN_PLUGIN_MODULES = ("megascan", "megadpp", "megafbd", "megascope")
 PLUGINS_ENV = "MEGATRON_PLUGINS"
 
+# A pipeline schedule: megatron-core's forward_backward_func signature (forward_step_func=, data_iterator=,
+# model=, num_microbatches=, seq_length=, micro_batch_size=, decoder_seq_length=, forward_only=) -> the
+# losses each microbatch reported.
+Schedule = Callable[..., list]
 
-def _import_plugin(path, required):
+
+class Plugin(Protocol):
+    """The hooks of the training loop; every one is optional (a plugin defines those it needs).
+
+    A plugin that is not enabled by its flags gets no call after ``is_enabled``: zero cost."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Register the plugin's flags (always called, so that --help lists them)."""
+
+    def is_enabled(self, args: FrozenArgs) -> bool:
+        """Whether the parsed flags ask for this plugin (before validation)."""
+
+    def training_world_size(self, args: FrozenArgs, launched: int) -> int:
+        """How many of the ``launched`` processes form the training world (the others serve it, e.g. MegaFBD's
+        forward instances); the flags are validated against it. Raise ArgumentError when they cannot fit."""
+
+    def validate_args(self, args: FrozenArgs) -> Mapping[str, Any] | None:
+        """Check the flags (validated by the loop already); raise ArgumentError with one clear line. Return
+        the values validation normalises (a default filled in, CUDA graphs turned off), which the loop sets
+        before the next plugin's check and before it freezes the configuration."""
+
+    def placement(self, args: FrozenArgs, launch: Launch) -> Placement | None:
+        """Declare a layout of the launch other than one training world of every process (MegaFBD: backward
+        instances that train, forward instances that serve them). The loop then gives each process its
+        world's device, tensor-parallel size, sequence parallelism and world size. At most one plugin."""
+
+    def start_process_group(self, context: RunContext) -> bool:
+        """Start torch.distributed for this process instead of the loop's plain start (over its world of a
+        placement, through ``context.launch_store``); True when it did."""
+
+    def run_process(self, context: RunContext, job_parts: "JobParts") -> bool:
+        """Run this process's whole job instead of the training loop (MegaFBD's forward instances, from the
+        loop's ``JobParts``); True when it did."""
+
+    def after_setup(self, context: RunContext, model: list, optimizer: Any, scheduler: Any) -> None:
+        """The model chunks, optimizer and learning-rate scheduler are built (a checkpoint is loaded)."""
+
+    def forward_backward_func(self, context: RunContext) -> Schedule | None:
+        """Supply the schedule of an iteration (at most one plugin supplies one), or None."""
+
+    def wrap_schedule(self, context: RunContext, schedule: Schedule) -> Schedule:
+        """Wrap whichever schedule runs (tracing, capture); return ``schedule`` itself to leave it alone."""
+
+    def on_iteration_begin(self, context: RunContext, iteration: int) -> None:
+        """Iteration ``iteration`` (1-based) starts."""
+
+    def on_iteration_end(self, context: RunContext, iteration: int, metrics: Mapping[str, Any]) -> None:
+        """Iteration ``iteration`` ended; ``metrics``: losses (on the last pipeline stage), grad_norm, skipped."""
+
+    def on_train_end(self, context: RunContext, iteration: int) -> None:
+        """Training ended at ``iteration`` (however it ended): flush, stop servers, release memory."""
+
+
+def _import_plugin(path: str, required: bool) -> Plugin | None:
     module_name, _, attribute = path.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -50,62 +108,82 @@ def _import_plugin(path, required):
     return plugin
 
 
+def _name(plugin: Plugin) -> str:
+    return type(plugin).__name__
+
+
 class PluginRegistry:
     """Calls one hook on every enabled plugin, in registration order."""
 
-    def __init__(self, plugins):
+    def __init__(self, plugins: Iterable[Plugin]):
         self.plugins = list(plugins)
-        self.enabled = []
+        self.enabled: list[Plugin] = []
 
     @classmethod
-    def discover(cls, environ=os.environ):
+    def discover(cls, environ: Mapping[str, str] = os.environ) -> "PluginRegistry":
         found = [_import_plugin(name, required=False) for name in BUILTIN_PLUGIN_MODULES]
         extra = [p.strip() for p in environ.get(PLUGINS_ENV, "").split(",") if p.strip()]
         found += [_import_plugin(name, required=True) for name in extra]
         return cls(p for p in found if p is not None)
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         for plugin in self.plugins:
             if hasattr(plugin, "add_arguments"):
                 plugin.add_arguments(parser)
 
-    def select_enabled(self, args):
-        self.enabled = [p for p in self.plugins if not hasattr(p, "is_enabled") or p.is_enabled(args)]
+    def select_enabled(self, args: argparse.Namespace) -> None:
+        view = FrozenArgs(args)
+        self.enabled = [p for p in self.plugins if not hasattr(p, "is_enabled") or p.is_enabled(view)]
 
-    def validate_args(self, args):
-        self.select_enabled(args)
-        self.call("validate_args", args)
-
-    def training_world_size(self, args, launched):
+    def training_world_size(self, args: argparse.Namespace, launched: int) -> int:
         """The processes that train, of the ``launched`` ones (all of them unless a plugin keeps some)."""
         size = launched
         for plugin in self.enabled:
             if hasattr(plugin, "training_world_size"):
-                size = plugin.training_world_size(args, size)
+                size = plugin.training_world_size(FrozenArgs(args), size)
         return size
 
-    def first_that_handles(self, hook, *args):
+    def validate_args(self, args: argparse.Namespace) -> None:
+        """Each enabled plugin checks the flags, in order; the values it returns are set on ``args`` (the
+        loop's namespace, not yet frozen) before the next one checks."""
+        self.select_enabled(args)
+        for plugin in self.enabled:
+            if hasattr(plugin, "validate_args"):
+                normalised = plugin.validate_args(FrozenArgs(args))
+                for name, value in (normalised or {}).items():
+                    setattr(args, name, value)
+
+    def placement(self, args: argparse.Namespace, launch: Launch) -> Placement:
+        """The layout a plugin declares, else one training world of every launched process."""
+        declared = [(p, placement) for p in self.enabled
+                    if hasattr(p, "placement") and (placement := p.placement(FrozenArgs(args), launch)) is not None]
+        if len(declared) > 1:
+            names = ", ".join(_name(p) for p, _ in declared)
+            raise ArgumentError(f"two plugins each want to lay out the launched processes ({names}); enable one")
+        return declared[0][1] if declared else Placement.single_world(launch, args)
+
+    def first_that_handles(self, hook: str, *args: Any) -> bool:
         """Call ``hook`` on each enabled plugin until one returns True (it did the work); whether one did."""
         return any(getattr(plugin, hook)(*args) for plugin in self.enabled if hasattr(plugin, hook))
 
-    def call(self, hook, *args, **kwargs):
+    def call(self, hook: str, *args: Any, **kwargs: Any) -> None:
         for plugin in self.enabled:
             method = getattr(plugin, hook, None)
             if method is not None:
                 method(*args, **kwargs)
 
-    def forward_backward_func(self, args, default):
+    def forward_backward_func(self, context: RunContext, default: Schedule) -> Schedule:
         """The schedule of an iteration: the one plugin that supplies one, else ``default``."""
         supplied = [(p, f) for p in self.enabled
-                    if hasattr(p, "forward_backward_func") and (f := p.forward_backward_func(args)) is not None]
+                    if hasattr(p, "forward_backward_func") and (f := p.forward_backward_func(context)) is not None]
         if len(supplied) > 1:
-            names = ", ".join(type(p).__name__ for p, _ in supplied)
+            names = ", ".join(_name(p) for p, _ in supplied)
             raise ArgumentError(f"two plugins each want to run the pipeline schedule ({names}); enable one")
         return supplied[0][1] if supplied else default
 
-    def wrap_schedule(self, args, schedule):
+    def wrap_schedule(self, context: RunContext, schedule: Schedule) -> Schedule:
         """Let every enabled plugin wrap the chosen schedule, in registration order (innermost first)."""
         for plugin in self.enabled:
             if hasattr(plugin, "wrap_schedule"):
-                schedule = plugin.wrap_schedule(args, schedule)
+                schedule = plugin.wrap_schedule(context, schedule)
         return schedule

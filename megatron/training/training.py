@@ -2,11 +2,11 @@
 
 An entry point (``pretrain_gpt.py``) supplies what is model-specific: how to build a model
 chunk, the datasets, and the forward step. Everything a plugin may change goes through the
-hooks of ``plugins.PluginRegistry``; this file knows no plugin.
+hooks of ``plugins.PluginRegistry``, which receive the ``RunContext`` the loop owns; this file
+knows no plugin.
 """
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 
@@ -20,16 +20,19 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint, us
 from megatron.training.cuda_graphs import layers_run_eagerly
 from megatron.training.data import build_data_iterators
 from megatron.training.flops import training_flops_per_iteration
-from megatron.training.initialize import initialize_megatron, shutdown
+from megatron.training.initialize import initialize_megatron, open_launch_store, shutdown
 from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
-from megatron.training.plugins import PluginRegistry
+from megatron.training.placement import Launch, configuration_at
+from megatron.training.plugins import PluginRegistry, Schedule
 from megatron.training.profiling import build_profiler
+from megatron.training.run_context import RunContext
 from megatron.training.save_dir_checks import claim_save_dir
 from megatron.training.signal_handler import StopSignalAgreement
 from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import TrainingLog, log_evaluation, print_rank_0
+from megatron.training.transfer_trace import TransferTrace
 from megatron.training.validate_args import validate_args
 
 
@@ -58,15 +61,24 @@ def reduce_reported_losses(per_microbatch):
 
 
 class Trainer:
-    def __init__(self, args, registry, model, optimizer, scheduler, forward_step_func):
+    """Iterates one model and optimizer. ``schedule``: the forward-backward schedule to run (a benchmark
+    harness compares several on one job); by default the one a plugin supplies or megatron-core's,
+    wrapped by the plugins."""
+
+    def __init__(self, context: RunContext, registry: PluginRegistry, model: list, optimizer, scheduler,
+                 forward_step_func, schedule: Schedule | None = None):
+        args = context.args
+        self.context = context
         self.args = args
         self.registry = registry
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.forward_step_func = forward_step_func
-        self.forward_backward = registry.wrap_schedule(
-            args, registry.forward_backward_func(args, get_forward_backward_func()))
+        if schedule is None:
+            schedule = registry.wrap_schedule(
+                context, registry.forward_backward_func(context, get_forward_backward_func()))
+        self.forward_backward = schedule
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
         self.stop_signal = StopSignalAgreement()
         self.profiler = build_profiler(args)  # None unless this rank profiles
@@ -112,17 +124,21 @@ class Trainer:
                         state.iteration * self.args.global_batch_size)
         state.last_saved_iteration = state.iteration
 
-    def train(self, state, train_iterator, valid_iterator):
-        """Iterate until --train-iters, SIGTERM or SIGINT, or --exit-interval; save at the end when --save."""
-        args = self.args
+    def train(self, state: TrainingState, train_iterator, valid_iterator, until: int | None = None) -> bool:
+        """Iterate until iteration ``until`` (default --train-iters) or a plugin's ``request_stop``, SIGTERM or
+        SIGINT, or --exit-interval; save at the end when --save. Whether training ended as planned: at
+        ``until`` or where a plugin asked, not cut short by a signal or --exit-interval."""
+        args, context = self.args, self.context
+        until = args.train_iters if until is None else until
         log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
-        while state.iteration < args.train_iters:
+        cut_short = False
+        while state.iteration < until and context.stop_reason is None:
             if self.profiler is not None:
                 self.profiler.iteration_begin(state.iteration + 1)
-            self.registry.call("on_iteration_begin", args, state.iteration + 1)
+            self.registry.call("on_iteration_begin", context, state.iteration + 1)
             losses, grad_norm, skipped = self.train_step(train_iterator)
             state.iteration += 1
-            self.registry.call("on_iteration_end", args, state.iteration,
+            self.registry.call("on_iteration_end", context, state.iteration,
                                {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
             log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
                 self.optimizer.param_groups[0]))
@@ -135,12 +151,15 @@ class Trainer:
                 self.save(state)
             if signal_name := self.stop_signal.any_rank_received():
                 print_rank_0(f"{signal_name} received: stopping at iteration {state.iteration}")
+                cut_short = True
                 break
             if args.exit_interval and state.iteration % args.exit_interval == 0:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
+                cut_short = True
                 break
         if args.save and state.last_saved_iteration != state.iteration:
             self.save(state)
+        return not cut_short and (state.iteration == until or context.stop_reason is not None)
 
     def close(self, iteration):
         """Write what the profiler and TensorBoard still hold (a run stopped early included)."""
@@ -174,12 +193,17 @@ class JobParts:
 class Job:
     """Everything a training run is made of, once set up."""
 
-    args: object
+    context: RunContext
     trainer: Trainer
     state: TrainingState
     train_iterator: object
     valid_iterator: object
     test_iterator: object
+
+    @property
+    def args(self):
+        """The run's read-only configuration (``context.args``)."""
+        return self.context.args
 
 
 def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None):
@@ -189,16 +213,21 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     registry = PluginRegistry.discover()
     args = parse_args(argv, prog, registry.add_arguments, extra_args_provider)
     registry.select_enabled(args)
-    validate_args(args, registry.training_world_size(args, int(os.environ.get("WORLD_SIZE", "1"))))
+    launch = Launch.from_environment()
+    validate_args(args, registry.training_world_size(args, launch.size))
     registry.validate_args(args)
     use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
     claim_save_dir(args)  # a second job on the same --save is refused before it starts
+    placement = registry.placement(args, launch)
+    args = configuration_at(args, placement)  # read-only from here on
     start = time.time()
-    initialize_megatron(args, functools.partial(registry.first_that_handles, "start_process_group"))
+    context = RunContext(args, placement, TransferTrace(), open_launch_store(args))
+    initialize_megatron(args, functools.partial(registry.first_that_handles, "start_process_group", context),
+                        context.launch_store)
     parts = JobParts(tokenizer, functools.partial(model_provider, args), dataset_provider,
                      functools.partial(forward_step_func, args), registry)
-    if registry.first_that_handles("run_process", args, parts):
+    if registry.first_that_handles("run_process", context, parts):
         shutdown()
         return None
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(model_provider, args))
@@ -213,10 +242,10 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
                  f"parameters on rank 0, "
                  f"starting at iteration {state.iteration}; attention: {attention_summary(args)}; "
                  f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})")
-    registry.call("after_setup", args, model, optimizer, scheduler)
+    registry.call("after_setup", context, model, optimizer, scheduler)
     iterators = build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
-    trainer = Trainer(args, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
-    return Job(args, trainer, state, *iterators)
+    trainer = Trainer(context, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
+    return Job(context, trainer, state, *iterators)
 
 
 def pretrain(argv, **entry_point):
@@ -229,11 +258,10 @@ def pretrain(argv, **entry_point):
     if job is None:
         return
     args, trainer, state = job.args, job.trainer, job.state
-    trainer.train(state, job.train_iterator, job.valid_iterator)
-    finished = state.iteration == args.train_iters  # not stopped by a signal or --exit-interval
+    finished = trainer.train(state, job.train_iterator, job.valid_iterator)
     if finished and job.test_iterator is not None and args.eval_iters > 0:
         log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters),
                        trainer.tensorboard)
     trainer.close(state.iteration)
-    trainer.registry.call("on_train_end", args, state.iteration)
+    trainer.registry.call("on_train_end", job.context, state.iteration)
     shutdown()

@@ -13,8 +13,8 @@ import sys
 
 import torch.distributed as dist
 
+from bench.dpp_schedules import STATIC, run_schedule, setup
 from megadpp.schedule_log import ScheduleLog
-from megadpp.side_by_side import STATIC, run_schedule, setup
 
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 1e-4  # of the largest weight: gradients summed over microbatches in another order

@@ -66,10 +66,11 @@ def running_with_argument(text):
 
 def child_env(extra=None):
     """The environment of a process a test starts: this one's, with ``extra``; PYTHONPATH has tests/ first, so
-    that an entry script run by its path imports ``helpers`` as the tests do, then ``extra``'s and this
+    that an entry script run by its path imports ``helpers`` as the tests do, the repository (for the
+    benchmark harnesses some entry scripts drive, ``bench.dpp_schedules``), then ``extra``'s and this
     process's own (a PYTHONPATH in ``extra``, e.g. a folder of plugins, adds to it: it replaces nothing)."""
     extra = dict(extra or {})
-    paths = [str(TESTS), extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
+    paths = [str(TESTS), str(REPO), extra.pop("PYTHONPATH", ""), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **extra)
     env["PYTHONPATH"] = os.pathsep.join(path for path in paths if path)
     return env

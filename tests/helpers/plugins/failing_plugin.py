@@ -13,7 +13,8 @@ class FailingPlugin:
     def is_enabled(self, args):
         return args.fail_at_iteration is not None or args.sigterm_at_iteration is not None
 
-    def on_iteration_end(self, args, iteration, metrics):
+    def on_iteration_end(self, context, iteration, metrics):
+        args = context.args
         if iteration == args.fail_at_iteration:
             raise RuntimeError(f"failing_plugin: failed at iteration {iteration}")
         if iteration == args.sigterm_at_iteration:

@@ -27,10 +27,13 @@ class RecordingPlugin:
             raise ArgumentError(f"--record-hooks-to: {args.record_hooks_to} is not a directory")
         self.calls.append(["validate_args"])
 
-    def after_setup(self, args, model, optimizer, scheduler):
+    def placement(self, args, launch):
+        self.calls.append(["placement", launch.size])  # declares none: the loop's one training world
+
+    def after_setup(self, context, model, optimizer, scheduler):
         self.calls.append(["after_setup", len(model), type(optimizer).__name__, type(scheduler).__name__])
 
-    def forward_backward_func(self, args):
+    def forward_backward_func(self, context):
         schedule = get_forward_backward_func()
 
         def recorded_schedule(**kwargs):
@@ -39,22 +42,22 @@ class RecordingPlugin:
 
         return recorded_schedule
 
-    def wrap_schedule(self, args, schedule):
+    def wrap_schedule(self, context, schedule):
         def wrapped_schedule(**kwargs):
             self.calls.append(["wrapped", kwargs["forward_only"]])
             return schedule(**kwargs)
 
         return wrapped_schedule
 
-    def on_iteration_begin(self, args, iteration):
+    def on_iteration_begin(self, context, iteration):
         self.calls.append(["iteration_begin", iteration])
 
-    def on_iteration_end(self, args, iteration, metrics):
+    def on_iteration_end(self, context, iteration, metrics):
         self.calls.append(["iteration_end", iteration, sorted(metrics["losses"])])
 
-    def on_train_end(self, args, iteration):
+    def on_train_end(self, context, iteration):
         self.calls.append(["train_end", iteration])
-        path = os.path.join(args.record_hooks_to, f"rank{torch.distributed.get_rank()}.json")
+        path = os.path.join(context.args.record_hooks_to, f"rank{torch.distributed.get_rank()}.json")
         with open(path, "w") as f:
             json.dump(self.calls, f)
 

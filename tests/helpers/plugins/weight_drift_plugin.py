@@ -16,12 +16,12 @@ class WeightDriftPlugin:
     def is_enabled(self, args):
         return args.drift_weights_at_iteration is not None
 
-    def after_setup(self, args, model, optimizer, scheduler):
+    def after_setup(self, context, model, optimizer, scheduler):
         self.model = model
 
     @torch.no_grad()
-    def on_iteration_end(self, args, iteration, metrics):
-        if iteration == args.drift_weights_at_iteration and getattr(args, "instance_kind", None) == "forward":
+    def on_iteration_end(self, context, iteration, metrics):
+        if iteration == context.args.drift_weights_at_iteration and context.placement.world.kind == "forward":
             next(self.model[0].parameters()).view(-1)[0] += 1e-3
 
 

@@ -1,10 +1,13 @@
 """Train the same job from the same start under several pipeline schedules, one after another in one
-launch: megatron-core's static schedule and DPP's policies. The equivalence tests compare what they
-compute; bench/dpp_side_by_side.py compares how long they take.
+launch: megatron-core's static schedule and DPP's policies. The equivalence tests
+(tests/dpp_equivalence_entry.py) compare what they compute; bench/dpp_side_by_side.py and
+bench/dpp_stress.py compare how long they take and how repeatable they are. A harness, not part of
+MegaDPP: it sets the job up through the training loop (``setup_job``) and gives each ``Trainer`` the
+schedule to run.
 
 Each schedule gets a freshly built model, optimizer and data iterators (layout-invariant initialization
 with --use-cpu-initialization makes them equal), and the delays of --dpp-delay-stage and --dpp-delay-link
-(fault_injection.py: the same draws for every schedule). Needs --use-dpp
+(megadpp/fault_injection.py: the same draws for every schedule). Needs --use-dpp
 (its transport is shared by the DPP schedules) and no --trace (one trace session per job).
 """
 
@@ -18,6 +21,7 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.utils import get_model_config
 
+import megadpp
 from megadpp.fault_injection import StaticLinkDelay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megatron.training.errors import ArgumentError
@@ -55,26 +59,24 @@ def setup(argv, entry):
 
 
 def run_schedule(job, entry, spec, iterations, schedule_log=None):
-    import megadpp
-
     args = job.args
     gc.collect()  # the previous schedule's model and optimizer sit in reference cycles: not in this one's peak
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(entry.model_provider, args))
     if args.dpp_delay_stage is not None:
         install_stage_delay(model, args)
     iterators = build_iterators(args, entry.dataset_provider, build_tokenizer(args), len(model), 0)
-    trainer = Trainer(args, PluginRegistry([]), model, optimizer, scheduler,
-                      functools.partial(entry.forward_step, args))
     if spec != STATIC:
         policy, cap = parse_schedule(spec)
-        shared = megadpp.PLUGIN.schedule
-        trainer.forward_backward = DynamicPipelineSchedule(policy, shared.transport, cap or args.dpp_max_inflight,
-                                                           schedule_log, shared.arrival_delay, shared.stall_timeout)
+        shared = megadpp.PLUGIN.schedule  # the job's DPP schedule: its transport serves every DPP run here
+        schedule = DynamicPipelineSchedule(policy, shared.transport, cap or args.dpp_max_inflight, schedule_log,
+                                           shared.arrival_delay, shared.stall_timeout)
         link_delay = None  # DPP's receivers hold the slow link's messages back (the plugin's arrival_delay)
     else:
-        trainer.forward_backward = get_forward_backward_func()
+        schedule = get_forward_backward_func()
         link_delay = StaticLinkDelay(args, len(model), get_num_microbatches(),
                                      get_model_config(model[0]).microbatch_group_size_per_vp_stage)
+    trainer = Trainer(job.context, PluginRegistry([]), model, optimizer, scheduler,
+                      functools.partial(entry.forward_step, args), schedule=schedule)
     run = ScheduleRun(spec)
     on_gpu = torch.cuda.is_available() and args.device == "cuda"
     if on_gpu:
