@@ -59,7 +59,8 @@ class _Evil:
         return (print, ("a crafted dump ran code",))
 
 
-@pytest.mark.parametrize("content", [pickle.dumps(_Evil()), pickle.dumps([1, 2]), b"\x80\x05garbage", b"{oops"])
+@pytest.mark.parametrize("content", [pickle.dumps(_Evil()), pickle.dumps([1, 2]), b"\x80\x05garbage", b"{oops"],
+                         ids=["a class to call", "no dict", "a cut pickle", "bad JSON"])
 def test_a_file_that_is_no_dump_is_refused_and_never_run(tmp_path, content, capsys):
     path = tmp_path / "flight-recorder-0.pkl"
     path.write_bytes(content)
