@@ -55,7 +55,7 @@ run_case() {
     if [[ $model == tiny ]]; then
         local tp=1 pp=1
         [[ $layout == *tp2* ]] && tp=2
-        [[ $layout == *pp2* || $layout == pp2 ]] && pp=2
+        [[ $layout == *pp2* ]] && pp=2
         NPROC=$nproc TP=$tp PP=$pp DEVICE=${DEVICE:-cuda} TRAIN_ITERS=$ITERS DATA_PATH=$RESULTS/data/gpt_text_document \
             CHECKPOINT_DIR=$dir/checkpoints timeout 240 bash examples/gpt3/train_gpt_tiny.sh \
             "${TRACE[@]}" --trace-dir "$dir/trace" > "$log" 2>&1

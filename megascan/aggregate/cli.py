@@ -121,11 +121,14 @@ def _write_report(report, second_witness, path):
         out.write("\n")
 
 
+def _check_flight_recorder_prefix(prefix):
+    if not os.path.isdir(os.path.dirname(os.path.abspath(prefix))):
+        raise UsageError("--flight-recorder", f"no directory holds {prefix}; pass the prefix the job set as "
+                                              f"TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
 def _flight_recorder(args, merged):
     """The dumps' FlightRecorderWitness, or None where there are none (and none were asked for)."""
-    if args.flight_recorder and not os.path.isdir(os.path.dirname(os.path.abspath(args.flight_recorder))):
-        raise UsageError("--flight-recorder", f"no directory holds {args.flight_recorder}; pass the prefix the job "
-                                              f"set as TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     paths = find_dumps(args.directory, args.flight_recorder)
     if not paths:
         if args.flight_recorder:
@@ -179,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, path in (("-o/--output", output), ("--report-json", args.report_json), ("--sqlite", args.sqlite)):
         if path:
             _check_output(flag, path)
+    if args.flight_recorder:  # before any work, as the outputs
+        _check_flight_recorder_prefix(args.flight_recorder)
     ranks, iterations = _selection(args)
     try:
         merged = load_and_merge(args.directory)

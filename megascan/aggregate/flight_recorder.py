@@ -84,9 +84,9 @@ def _is_p2p(entry):
     return bool(entry.get("is_p2p")) or (not entry.get("collective_seq_id") and (entry.get("p2p_seq_id") or 0) > 0)
 
 
-def rank_progress(dump: dict) -> dict[tuple[str, str], Progress]:
-    """(group name, "collective" or "p2p") -> Progress, from one dump's entries."""
-    records_completion = any(entry.get("state") in ("started", COMPLETED) for entry in dump["entries"])
+def rank_progress(dump: dict, records_completion: bool) -> dict[tuple[str, str], Progress]:
+    """(group name, "collective" or "p2p") -> Progress, from one dump's entries; ``records_completion``:
+    whether the job's backend records completion (else Progress.completed stays None)."""
     progress = {}
     for entry in dump["entries"]:
         p2p = _is_p2p(entry)
@@ -209,7 +209,7 @@ def witness(paths: dict[int, str], world_size: int = 0) -> FlightRecorderWitness
         result.hung = list(result.without_dump) if dumps else []
         return result
     members = _group_members(dumps, world_size)
-    progress = {rank: rank_progress(dump) for rank, dump in dumps.items()}
+    progress = {rank: rank_progress(dump, records_completion) for rank, dump in dumps.items()}
     for name, kind in sorted({key for table in progress.values() for key in table}):
         stalled = _stalled_group(name, kind, members.get(name, []), progress)
         if stalled:
