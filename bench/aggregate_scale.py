@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 
+from megascan.aggregate.bulk import cycle_collection_paused
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory
 from megascan.aggregate.merged_trace import load_and_merge
@@ -106,16 +107,18 @@ def replicated_directory(source, directory, ranks):
 
 
 def measure(directory):
-    """One size, in this process: seconds of each step and the peak RSS (the interpreter's own included)."""
+    """One size, in this process, as tools/aggregate.py runs it (the garbage collector paused): seconds of each
+    step and the peak RSS (the interpreter's own included)."""
     baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    started = time.perf_counter()
-    merged = load_and_merge(directory)
-    merged_at = time.perf_counter()
     output = os.path.join(directory, "benchmark.json")
-    write_chrome_trace(merged, output)
-    written_at = time.perf_counter()
-    report = detect(merged)
-    detected_at = time.perf_counter()
+    with cycle_collection_paused():
+        started = time.perf_counter()
+        merged = load_and_merge(directory)
+        merged_at = time.perf_counter()
+        write_chrome_trace(merged, output)
+        written_at = time.perf_counter()
+        report = detect(merged)
+        detected_at = time.perf_counter()
     return {"ranks": len(merged.ranks), "instances": len(merged.instances),
             "records": sum(len(i.records) for i in merged.instances),
             "events": sum(len(t.events) for t in merged.ranks.values()),

@@ -3,6 +3,7 @@ truth are matched, aligned and merged exactly; damaged directories are reported 
 the outputs (Chrome trace, SQLite) hold what they should; bad command lines stop with one line."""
 
 import concurrent.futures
+import gc
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import pytest
 from helpers.launch import REPO
 
 from megascan.aggregate import load_and_merge
+from megascan.aggregate.bulk import cycle_collection_paused
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
@@ -468,3 +470,17 @@ def test_command_line_tools_stop_on_bad_input_with_one_line(tmp_path):
     for (script, (args, expected)), result in zip(cases, results):
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (script, args, result.stderr)
+
+
+def test_cycle_collection_is_paused_inside_and_its_state_restored_after():
+    assert gc.isenabled()
+    with cycle_collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collection_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()

@@ -15,11 +15,11 @@ Times are microseconds since the earliest merged event. Format: docs/megascan_ag
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Iterator
-from json.encoder import encode_basestring
+from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from megascan.aggregate.loading import coords_name
 from megascan.aggregate.merged_trace import MergedTrace, OpInstance
@@ -29,29 +29,40 @@ _PID = 1  # the run's one process
 _FIRST_TID = _PID + 1
 _EXTRA_TRACK_WORD = {"compute": "depth", "collectives": "overlap", "p2p": "overlap"}  # "compute (depth 1)"
 _INSIDE_US = 0.001  # flow points sit this far inside their slice, so that viewers bind them to it
-_encode = json.JSONEncoder(separators=(",", ":"), allow_nan=False).encode
-# Slices and flows, a million and more at a thousand ranks, are written as JSON text straight from these
-# templates (numbers are finite floats and ints, strings go through the encoder): building a dict per
-# event and encoding it took most of the time of writing the trace.
-_SLICE = '{{"ph":"X","name":{},"cat":{},"pid":{},"tid":{},"ts":{!r},"dur":{!r},"args":{}}}'
-_FLOW_START = '{{"ph":"s","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
-_OP_FIELDS = ("peer", "bytes", "dtype", "iteration", "microbatch", "chunk", "phase")
-_FLOW_END = '{{"ph":"f","bp":"e","pid":{},"tid":{},"ts":{!r},"name":{},"cat":"flow.{}","id":{}}}'
+# Millions of events at thousands of ranks: plain dicts, encoded by orjson a rank's list at a time (one call
+# per event took six times as long; JSON text formatted in Python, or the stdlib's encoder, longer still).
 
 
-def _lanes(intervals):
-    """A lane per (start, end), no two overlapping in one lane; a slice nested in another goes deeper."""
-    bounds = np.array(intervals, dtype=np.float64).reshape(-1, 2)
-    order = np.lexsort((-bounds[:, 1], bounds[:, 0]))
-    if np.all(bounds[order[1:], 0] >= bounds[order[:-1], 1]):  # one after the other (ops, mostly): one lane
-        return [0] * len(intervals)
-    lanes, lane_ends = [0] * len(intervals), []
-    for index in order.tolist():
-        start, end = intervals[index]
-        lane = next((lane for lane, last in enumerate(lane_ends) if last <= start), len(lane_ends))
-        if lane == len(lane_ends):
+@dataclass
+class _Shared:
+    """What many slices share, one object each: op slice names, compute slice args."""
+    names: dict = field(default_factory=dict)
+    event_args: dict = field(default_factory=dict)
+
+
+def _bounds(items):
+    """(starts, ends) of timed dicts as arrays; an op whose end is unknown ends where it starts."""
+    starts = np.array([item["start"] for item in items], dtype=np.float64)
+    ends = np.array([item["end"] for item in items], dtype=np.float64)  # None -> nan
+    unknown = np.isnan(ends)
+    ends[unknown] = starts[unknown]
+    return starts, ends
+
+
+def _lanes(starts, ends):
+    """A lane per slice, no two overlapping in one lane; a slice nested in another goes deeper."""
+    order = np.lexsort((-ends, starts))
+    if np.all(starts[order[1:]] >= ends[order[:-1]]):  # one after the other (ops, mostly): one lane
+        return np.zeros(len(starts), dtype=np.int64)
+    lanes, lane_ends = np.zeros(len(starts), dtype=np.int64), []
+    for index, start, end in zip(order.tolist(), starts[order].tolist(), ends[order].tolist()):
+        for lane, last in enumerate(lane_ends):
+            if last <= start:
+                lane_ends[lane] = end
+                break
+        else:
+            lane = len(lane_ends)
             lane_ends.append(end)
-        lane_ends[lane] = end
         lanes[index] = lane
     return lanes
 
@@ -60,35 +71,20 @@ def _end(item):
     return item["start"] if item["end"] is None else item["end"]
 
 
-def _spans(items, origin):
+def _spans(starts, ends, origin):
     """[(ts, dur)] rounded to nanoseconds such that ts + dur is the rounded end: adjacent slices stay apart."""
-    starts = np.array([item["start"] for item in items], dtype=np.float64) - origin
-    ends = np.array([_end(item) for item in items], dtype=np.float64) - origin
-    ts = np.round(starts, 3)
-    return zip(ts.tolist(), np.round(np.round(ends, 3) - ts, 3).tolist())
+    ts = np.round(starts - origin, 3)
+    return zip(ts.tolist(), np.round(np.round(ends - origin, 3) - ts, 3).tolist())
 
 
-def _json(value):
-    """A JSON value as text: the common kinds directly, the rest through the encoder."""
-    if value is None:
-        return "null"
-    kind = type(value)
-    if kind is int:
-        return str(value)
-    if kind is str:
-        return encode_basestring(value)
-    return _encode(value)
-
-
-def _tracks(family, items, first_tid, label, names):
-    """Thread id per item (timed dicts) of one track family, from ``first_tid`` on; adds the tracks used
-    to ``names`` (their names start with the rank's ``label``)."""
-    tids = []
-    for lane in _lanes([(item["start"], _end(item)) for item in items]):
-        tids.append(first_tid + lane)
+def _tracks(family, starts, ends, first_tid, label, names):
+    """Thread id per slice of one track family, from ``first_tid`` on; adds the tracks used to ``names``
+    (their names start with the rank's ``label``)."""
+    lanes = _lanes(starts, ends)
+    for lane in np.unique(lanes).tolist():
         track = family if lane == 0 else f"{family} ({_EXTRA_TRACK_WORD[family]} {lane})"
         names[first_tid + lane] = f"{label} {track}"
-    return tids
+    return (lanes + first_tid).tolist()
 
 
 def _thread_names(names):
@@ -97,91 +93,80 @@ def _thread_names(names):
         yield {"ph": "M", "name": "thread_sort_index", "pid": _PID, "tid": tid, "args": {"sort_index": tid}}
 
 
-def _op_args(instance, record, cache):
-    """The op slice's args as JSON text; the parts shared by many records are built once."""
-    shared = cache.get(instance.id)
-    if shared is None:
-        shared = cache[instance.id] = (f'{{"instance":{instance.id},"group":{_json(instance.group)},'
-                                       f'"role":{_json(instance.role)},"seq":{_json(instance.seq)}')
-    fields = (record.get("peer"), record.get("bytes"), record.get("dtype"), record.get("iteration"),
-              record.get("microbatch"), record.get("chunk"), record.get("phase"))
-    own = cache.get(fields)
-    if own is None:
-        own = cache[fields] = ",".join(f'"{key}":{_json(value)}' for key, value in zip(_OP_FIELDS, fields))
-    extra = ""
-    duration = _end(record) - record["start"]
+def _op_args(instance, record):
+    args = {"instance": instance.id, "group": instance.group, "role": instance.role, "seq": instance.seq,
+            "peer": record.get("peer"), "bytes": record.get("bytes"), "dtype": record.get("dtype"),
+            "iteration": record.get("iteration"), "microbatch": record.get("microbatch"),
+            "chunk": record.get("chunk"), "phase": record.get("phase")}
     if record.get("issued_only"):
-        extra = ',"end":"unknown: only issued (the window never finished)"'
+        args["end"] = "unknown: only issued (the window never finished)"
     elif record["end"] is None:
-        extra = ',"end":"unknown: the rank never waited for it"'
-    elif duration > 0 and record.get("bytes"):
-        extra = f',"bandwidth_GBps":{round(record["bytes"] / duration / 1e3, 3)!r}'
+        args["end"] = "unknown: the rank never waited for it"
+    elif record["end"] > record["start"] and args["bytes"]:
+        args["bandwidth_GBps"] = round(args["bytes"] / (record["end"] - record["start"]) / 1e3, 3)
     if instance.missing:
-        extra += f',"missing_ranks":{_encode(instance.missing)}'
-    return f"{shared},{own}{extra}}}"
+        args["missing_ranks"] = instance.missing
+    return args
 
 
-def _op_name(rank, instance, record, cache):
+def _op_name(rank, instance, record, names):
+    """The slice's name, one string object per distinct name (``names``)."""
     if instance.kind == "p2p":
         key = (record["op"], rank == instance.src, record.get("peer"))
-        text = cache.get(key)
-        if text is None:
-            text = cache[key] = _json(f"{key[0]} {'to' if key[1] else 'from'} {key[2]}")
-        return text
+        name = names.get(key)
+        if name is None:
+            name = names[key] = f"{key[0]} {'to' if key[1] else 'from'} {key[2]}"
+        return name
     key = (record["op"], instance.role)
-    text = cache.get(key)
-    if text is None:
-        text = cache[key] = _json(f"{key[0]} {key[1]}")
-    return text
+    name = names.get(key)
+    if name is None:
+        name = names[key] = f"{key[0]} {key[1]}"
+    return name
 
 
-def _flow_points(records, origin):
-    """Per record: (point just after its start, point just before its end) where flows bind to its slice."""
-    starts = np.array([record["start"] for record in records], dtype=np.float64)
-    ends = np.array([_end(record) for record in records], dtype=np.float64)
+def _flow_points(starts, ends, origin):
+    """Per slice: (point just after its start, point just before its end) where flows bind to it."""
     inset = np.minimum(_INSIDE_US, (ends - starts) / 2)
     return zip(np.round(starts + inset - origin, 3).tolist(), np.round(ends - inset - origin, 3).tolist())
 
 
-def _op_slices(rank, tids, ops, origin, cache, arrows):
-    """Slices (JSON text) of one rank's op records [(instance, record)] on their tracks, each followed by the
-    ends of its flow arrows that bind to it (Arrows)."""
-    records = [record for _, record in ops]
-    texts = []
+def _op_slices(rank, family, ops, first_tid, label, names, origin, shared, arrows):
+    """Slices of one rank's op records [(instance, record)] of one track family, each followed by the ends of
+    its flow arrows that bind to it (Arrows)."""
+    starts, ends = _bounds([record for _, record in ops])
+    tids = _tracks(family, starts, ends, first_tid, label, names)
+    slices, has_arrows, names_of = [], arrows.source, shared.names
     for tid, (instance, record), (ts, dur), (after_start, before_end) in zip(
-            tids, ops, _spans(records, origin), _flow_points(records, origin)):
-        texts.append(_SLICE.format(_op_name(rank, instance, record, cache), _json(instance.kind), _PID, tid, ts, dur,
-                                   _op_args(instance, record, cache)))
-        if instance.id in arrows.source:
-            texts += arrows.ends(rank, tid, instance, after_start, before_end)
-    return texts
+            tids, ops, _spans(starts, ends, origin), _flow_points(starts, ends, origin)):
+        slices.append({"ph": "X", "name": _op_name(rank, instance, record, names_of), "cat": instance.kind,
+                       "pid": _PID, "tid": tid, "ts": ts, "dur": dur, "args": _op_args(instance, record)})
+        if instance.id in has_arrows:
+            slices += arrows.ends(rank, tid, instance, after_start, before_end)
+    return slices
 
 
-def _event_slices(tids, events, origin, cache):
-    """Slices (JSON text) of one rank's compute events on their tracks."""
-    for tid, event, (ts, dur) in zip(tids, events, _spans(events, origin)):
-        fields = (event["name"], event.get("cat", "compute"), event.get("iteration"), event.get("microbatch"),
-                  event.get("chunk"), event.get("layer"))
-        text = cache.get(fields)
-        if text is None:  # name, cat and args: the same for the same layer and microbatch on many ranks
-            text = cache[fields] = (f'{_json(fields[0])},"cat":{_json(fields[1])},"pid":{{}},"tid":{{}},"ts":{{!r}},'
-                                    f'"dur":{{!r}},"args":{{{{"iteration":{_json(fields[2])},'
-                                    f'"microbatch":{_json(fields[3])},"chunk":{_json(fields[4])},'
-                                    f'"layer":{_json(fields[5])}}}}}}}}}')
-        yield '{"ph":"X","name":' + text.format(_PID, tid, ts, dur)
+def _event_slices(events, first_tid, label, names, origin, shared):
+    """Slices of one rank's compute events on their tracks."""
+    starts, ends = _bounds(events)
+    tids = _tracks("compute", starts, ends, first_tid, label, names)
+    for tid, event, (ts, dur) in zip(tids, events, _spans(starts, ends, origin)):
+        fields = (event.get("iteration"), event.get("microbatch"), event.get("chunk"), event.get("layer"))
+        args = shared.event_args.get(fields)
+        if args is None:  # the same for the same layer and microbatch on many ranks
+            args = shared.event_args[fields] = dict(zip(("iteration", "microbatch", "chunk", "layer"), fields))
+        yield {"ph": "X", "name": event["name"], "cat": event.get("cat", "compute"), "pid": _PID, "tid": tid,
+               "ts": ts, "dur": dur, "args": args}
 
 
-def _rank_slices(trace, first_tid, records, origin, arrows, cache):
-    """The rank's track names and slices (JSON text), its tracks numbered from ``first_tid``, and the next
-    free thread id."""
+def _rank_slices(trace, first_tid, records, origin, arrows, shared):
+    """The rank's track names and slices, its tracks numbered from ``first_tid``, and the next free thread id."""
     rank, label, names = trace.rank, f"{coords_name(trace.coords)} (rank {trace.rank})", {}
-    slices = list(_event_slices(_tracks("compute", trace.events, first_tid, label, names), trace.events, origin,
-                                cache))
+    slices = list(_event_slices(trace.events, first_tid, label, names, origin, shared))
     for family in ("collectives", "p2p"):
         ops = [(instance, record) for instance, record in records if (instance.kind == "p2p") == (family == "p2p")]
-        tids = _tracks(family, [record for _, record in ops], max(names, default=first_tid - 1) + 1, label, names)
-        slices += _op_slices(rank, tids, ops, origin, cache, arrows)
-    return [_encode(event) for event in _thread_names(names)] + slices, max(names, default=first_tid - 1) + 1
+        slices += _op_slices(rank, family, ops, max(names, default=first_tid - 1) + 1, label, names, origin, shared,
+                             arrows)
+    return list(_thread_names(names)) + slices, max(names, default=first_tid - 1) + 1
 
 
 class Arrows:
@@ -205,14 +190,16 @@ class Arrows:
             self.backwards.update((instance.id, target) for target, record in instance.records.items()
                                   if target != self.source[instance.id] and _inside(record, at_end=True) < start)
 
-    def ends(self, rank: int, tid: int, instance: OpInstance, after_start: float, before_end: float) -> list[str]:
-        """The flow events (JSON text) that bind to ``rank``'s slice of ``instance`` on track ``tid``."""
-        name = _json(instance.op)
+    def ends(self, rank: int, tid: int, instance: OpInstance, after_start: float, before_end: float) -> list[dict]:
+        """The flow events that bind to ``rank``'s slice of ``instance`` on track ``tid``."""
+        category = "flow." + instance.kind
         if rank != self.source[instance.id]:
             if (instance.id, rank) in self.backwards:
                 return []
-            return [_FLOW_END.format(_PID, tid, before_end, name, instance.kind, instance.id * self.span + rank)]
-        return [_FLOW_START.format(_PID, tid, after_start, name, instance.kind, instance.id * self.span + target)
+            return [{"ph": "f", "bp": "e", "pid": _PID, "tid": tid, "ts": before_end, "name": instance.op,
+                     "cat": category, "id": instance.id * self.span + rank}]
+        return [{"ph": "s", "pid": _PID, "tid": tid, "ts": after_start, "name": instance.op, "cat": category,
+                 "id": instance.id * self.span + target}
                 for target in instance.records if target != rank and (instance.id, target) not in self.backwards]
 
 
@@ -229,22 +216,22 @@ def time_origin(merged: MergedTrace) -> float:
     return min(starts, default=0.0)
 
 
-def chrome_trace_events(merged: MergedTrace, origin: float) -> Iterator[list[str]]:
-    """Every trace event as JSON text, a list at a time: the run's one process, then each rank's tracks and
+def chrome_trace_events(merged: MergedTrace, origin: float) -> Iterator[list[dict]]:
+    """Every trace event, a list at a time: the run's one process, then each rank's tracks and
     slices in layout order, each op slice followed by the ends of its flows."""
     records = {rank: [] for rank in merged.ranks}
     for instance in merged.instances:
         for rank, record in instance.records.items():
             records[rank].append((instance, record))
     layout = merged.layout
-    yield [_encode({"ph": "M", "name": "process_name", "pid": _PID, "args": {
-        "name": f"MegaScan run {merged.run_id} (DP{layout['dp']} x PP{layout['pp']} x TP{layout['tp']})"}})]
+    yield [{"ph": "M", "name": "process_name", "pid": _PID, "args": {
+        "name": f"MegaScan run {merged.run_id} (DP{layout['dp']} x PP{layout['pp']} x TP{layout['tp']})"}}]
     arrows = Arrows(merged.instances, merged.ranks)
     layout_order = sorted(merged.ranks.values(), key=lambda t: (t.coords["dp"], t.coords["pp"], t.coords["tp"]))
-    cache, next_tid = {}, _FIRST_TID  # cache: JSON text of args parts that many records share
+    shared, next_tid = _Shared(), _FIRST_TID
     for trace in layout_order:
-        texts, next_tid = _rank_slices(trace, next_tid, records[trace.rank], origin, arrows, cache)
-        yield texts
+        events, next_tid = _rank_slices(trace, next_tid, records[trace.rank], origin, arrows, shared)
+        yield events
 
 def write_chrome_trace(merged: MergedTrace, path: str) -> None:
     """Writes the merged trace to ``path`` (atomically) as {"traceEvents": [...], "otherData": {...}}."""
@@ -252,10 +239,10 @@ def write_chrome_trace(merged: MergedTrace, path: str) -> None:
     other = {"run_id": merged.run_id, "layout": merged.layout, "reference_rank": merged.reference_rank,
              "time_origin_us": origin, "unaligned": {str(r): why for r, why in merged.unaligned.items()},
              "problems": merged.problems}
-    with replaced_on_success(path) as temporary, open(temporary, "w") as out:
-        out.write('{"displayTimeUnit":"ms","traceEvents":[')
-        separator = "\n"
-        for events in chrome_trace_events(merged, origin):
-            out.write(separator + ",\n".join(events))
-            separator = ",\n"
-        out.write('\n],"otherData":' + _encode(other) + "}\n")
+    with replaced_on_success(path) as temporary, open(temporary, "wb") as out:
+        out.write(b'{"displayTimeUnit":"ms","traceEvents":[')
+        separator = b"\n"
+        for events in filter(None, chrome_trace_events(merged, origin)):  # a rank may have nothing to show
+            out.write(separator + orjson.dumps(events)[1:-1])  # the list's items, without its brackets
+            separator = b",\n"
+        out.write(b'\n],"otherData":' + orjson.dumps(other) + b"}\n")

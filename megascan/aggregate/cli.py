@@ -14,6 +14,7 @@ import sys
 import time
 
 from megascan.aggregate.alignment_summary import describe_alignment
+from megascan.aggregate.bulk import cycle_collection_paused
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.flight_recorder import FlightRecorderError, find_dumps, witness
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
@@ -214,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return run(args)
+        with cycle_collection_paused():
+            return run(args)
     except UsageError as error:
         print(f"{PROG}: {error}", file=sys.stderr)
         return 2

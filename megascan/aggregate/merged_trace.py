@@ -39,7 +39,7 @@ class RankTrace:
     issued_only: bool  # its last window has only issued lines: it never finished that window
 
 
-@dataclass
+@dataclass(slots=True)  # a million of them at thousands of ranks: no dict each
 class OpInstance:
     id: int
     kind: str  # "collective" or "p2p"
