@@ -180,15 +180,18 @@ class Arrows:
         self.source = {}  # instance id -> the rank its arrows start at
         self.backwards = set()  # (instance id, target rank) of arrows left out
         for instance in instances:
-            if instance.kind == "p2p" and len(instance.records) == 2:
-                self.source[instance.id] = instance.src
-            elif instance.kind != "p2p" and len(instance.records) > 1:
-                self.source[instance.id] = max(instance.records, key=lambda rank: instance.records[rank]["start"])
+            records = instance.records
+            if instance.kind == "p2p" and len(records) == 2:
+                source = instance.src
+            elif instance.kind != "p2p" and len(records) > 1:
+                source = max(records, key=lambda rank: records[rank]["start"])  # noqa: B023 (used at once)
             else:
                 continue
-            start = _inside(instance.records[self.source[instance.id]], at_end=False)
-            self.backwards.update((instance.id, target) for target, record in instance.records.items()
-                                  if target != self.source[instance.id] and _inside(record, at_end=True) < start)
+            self.source[instance.id] = source
+            start = _inside(records[source], at_end=False)
+            for target, record in records.items():  # a loop, not a generator: a million instances at scale
+                if target != source and _inside(record, at_end=True) < start:
+                    self.backwards.add((instance.id, target))
 
     def ends(self, rank: int, tid: int, instance: OpInstance, after_start: float, before_end: float) -> list[dict]:
         """The flow events that bind to ``rank``'s slice of ``instance`` on track ``tid``."""
