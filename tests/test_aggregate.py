@@ -3,6 +3,7 @@ truth are matched, aligned and merged exactly; damaged directories are reported 
 the outputs (Chrome trace, SQLite) hold what they should; bad command lines stop with one line."""
 
 import concurrent.futures
+import dataclasses
 import gc
 import json
 import os
@@ -484,3 +485,18 @@ def test_cycle_collection_is_paused_inside_and_its_state_restored_after():
         assert not gc.isenabled()  # it was off before: it stays off
     finally:
         gc.enable()
+
+
+def test_a_rank_with_nothing_to_show_leaves_the_chrome_trace_valid(tmp_path):
+    """A rank whose events and ops all fall outside what is shown (a --ranks/--iterations part) gets no
+    tracks, and the events of the ranks around it still form one valid JSON list."""
+    write_run(tmp_path / "trace")
+    merged = load_and_merge(tmp_path / "trace")
+    merged.ranks[1] = dataclasses.replace(merged.ranks[1], events=[])
+    for instance in merged.instances:
+        instance.records.pop(1, None)
+    write_chrome_trace(merged, tmp_path / "merged.json")
+    events = json.loads((tmp_path / "merged.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert tracks and not [name for name in tracks if "(rank 1)" in name]
+    assert any("(rank 0)" in name for name in tracks) and any("(rank 2)" in name for name in tracks)
