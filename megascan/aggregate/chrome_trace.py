@@ -29,8 +29,6 @@ _PID = 1  # the run's one process
 _FIRST_TID = _PID + 1
 _EXTRA_TRACK_WORD = {"compute": "depth", "collectives": "overlap", "p2p": "overlap"}  # "compute (depth 1)"
 _INSIDE_US = 0.001  # flow points sit this far inside their slice, so that viewers bind them to it
-# Millions of events at thousands of ranks: plain dicts, encoded by orjson a rank's list at a time (one call
-# per event took six times as long; JSON text formatted in Python, or the stdlib's encoder, longer still).
 
 
 @dataclass
@@ -135,12 +133,12 @@ def _op_slices(rank, family, ops, first_tid, label, names, origin, shared, arrow
     its flow arrows that bind to it (Arrows)."""
     starts, ends = _bounds([record for _, record in ops])
     tids = _tracks(family, starts, ends, first_tid, label, names)
-    slices, has_arrows, names_of = [], arrows.source, shared.names
+    slices = []
     for tid, (instance, record), (ts, dur), (after_start, before_end) in zip(
             tids, ops, _spans(starts, ends, origin), _flow_points(starts, ends, origin)):
-        slices.append({"ph": "X", "name": _op_name(rank, instance, record, names_of), "cat": instance.kind,
+        slices.append({"ph": "X", "name": _op_name(rank, instance, record, shared.names), "cat": instance.kind,
                        "pid": _PID, "tid": tid, "ts": ts, "dur": dur, "args": _op_args(instance, record)})
-        if instance.id in has_arrows:
+        if instance.id in arrows.source:
             slices += arrows.ends(rank, tid, instance, after_start, before_end)
     return slices
 
@@ -184,7 +182,7 @@ class Arrows:
             if instance.kind == "p2p" and len(records) == 2:
                 source = instance.src
             elif instance.kind != "p2p" and len(records) > 1:
-                source = max(records, key=lambda rank: records[rank]["start"])  # noqa: B023 (used at once)
+                source = max(records, key=lambda rank: records[rank]["start"])
             else:
                 continue
             self.source[instance.id] = source
@@ -237,7 +235,9 @@ def chrome_trace_events(merged: MergedTrace, origin: float) -> Iterator[list[dic
         yield events
 
 def write_chrome_trace(merged: MergedTrace, path: str) -> None:
-    """Writes the merged trace to ``path`` (atomically) as {"traceEvents": [...], "otherData": {...}}."""
+    """Writes the merged trace to ``path`` (atomically) as {"traceEvents": [...], "otherData": {...}}.
+    Millions of events at thousands of ranks: plain dicts, encoded by orjson a rank's list at a time (a call
+    per event took six times as long; JSON text formatted in Python, or the stdlib's encoder, longer still)."""
     origin = time_origin(merged)
     other = {"run_id": merged.run_id, "layout": merged.layout, "reference_rank": merged.reference_rank,
              "time_origin_us": origin, "unaligned": {str(r): why for r, why in merged.unaligned.items()},

@@ -129,10 +129,7 @@ def _op_record(op, window):
     (clocks are per window) and shares its repeated strings."""
     record = dict(op.items())
     record["window"] = window
-    for key in _OP_STRINGS:  # _share_strings inlined: called a million times
-        value = record.get(key)
-        if type(value) is str:
-            record[key] = sys.intern(value)
+    _share_strings(record, _OP_STRINGS)
     return record
 
 

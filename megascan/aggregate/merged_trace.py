@@ -131,11 +131,8 @@ def _instance(index, key, records, groups, loaded):
                       src=src, dst=dst, iteration=first.get("iteration"), bytes=first.get("bytes"))
 
 
-def _keep_aligned(instances, aligned, loaded):
-    """Instances restricted to aligned ranks (dropped when none is left), renumbered 0..n-1; as they are
-    when every loaded rank is aligned."""
-    if all(rank in aligned for rank in loaded):
-        return instances
+def _keep_aligned(instances, aligned):
+    """Instances restricted to aligned ranks (dropped when none is left), renumbered 0..n-1."""
     kept = []
     for instance in instances:
         instance.records = {rank: record for rank, record in instance.records.items() if rank in aligned}
@@ -170,5 +167,6 @@ def merge(loaded: TraceDirectory) -> MergedTrace:
         ranks[rank] = _rank_trace(files[rank], clock)
     _, causality = causal_clocks(instances, alignment.clocks, alignment.reference_rank, retime)
     return MergedTrace(run_id=loaded.run_id, layout=loaded.layout, ranks=ranks, unaligned=alignment.unaligned,
-                       instances=_keep_aligned(instances, ranks, files), problems=problems,
+                       instances=_keep_aligned(instances, ranks) if alignment.unaligned else instances,
+                       problems=problems,
                        reference_rank=alignment.reference_rank, absent=loaded.absent, causality=causality)
