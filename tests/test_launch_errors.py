@@ -146,6 +146,22 @@ def test_launch_error_appears_in_every_launch_whole_and_alike():
         assert result.returncode != 0 and 1 <= len(lines) <= ranks and set(lines) == {expected}, result.stderr
 
 
+@pytest.mark.parametrize("failure", ["user error", "bug"])
+def test_rank_that_fails_with_a_collective_in_flight_ends_and_runs_its_exit_handlers(failure):
+    """Rank 0 fails while its all-reduce waits for a peer that never joins (a stalled pipeline neighbour
+    and training's stop vote): the interpreter's teardown of the group waited on it for ever (a DPP stall
+    test ran into the CI's timeout), so torchrun, which acts on exits, never stopped the job."""
+    args = ["bug"] if failure == "bug" else []
+    result = torchrun(2, "tests/helpers/stuck_collective_entry.py", args, timeout=60)
+    assert result.returncode != 0
+    assert "rank 0 ran its exit handlers" in result.stdout, result.stdout + result.stderr
+    if failure == "bug":
+        assert "ValueError: a bug on rank 0" in result.stderr, result.stderr
+    else:
+        assert _error_lines(result, "stuck_collective_entry.py") == [
+            "stuck_collective_entry.py: error: rank 0 gives up on its stalled peer"], result.stderr
+
+
 def test_ctrl_c_before_training_is_one_line_and_exit_code_130(capsys, monkeypatch):
     """Ctrl-C during start-up (before training's agreed stop is installed) was a KeyboardInterrupt traceback per
     rank; in-process: the wrapper every entry point uses."""

@@ -1,10 +1,12 @@
 """Errors a user can fix, and the one place that turns them into one line and an exit code."""
 
+import atexit
 import functools
 import os
 import signal
 import socket
 import sys
+import traceback
 
 
 class UserError(Exception):
@@ -65,10 +67,33 @@ def error_line(message: str) -> str:
     return f"{_prog()}: error: {message}"
 
 
+def _process_group_is_up():
+    distributed = sys.modules.get("torch.distributed")  # never imported here: the tools start without torch
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()
+
+
+def _exit(code):
+    """End the process with ``code``.
+
+    With a process group up, a collective of this rank may still be in flight while the peer it waits
+    for is stalled or gone (training's stop-signal vote always is in flight: see signal_handler.py). The
+    interpreter's teardown would destroy that group, and gloo's destructor waits for the collective: the
+    rank would never exit, and torchrun, which acts on exits, would wait with it. So here the exit
+    handlers run (a trace's last windows, the loader workers' end) and the streams are flushed, and the
+    process ends without the teardown; the kernel closes its sockets."""
+    if not _process_group_is_up():
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def exit_on_user_error(main):
     """Run ``main``; a ``UserError`` becomes ``<prog>: error: <message>`` on stderr and exit code 2, Ctrl-C
     one line and exit code 130 (a shell's for SIGINT). Of a launch's ranks the first to fail prints the
-    line; the others exit quietly."""
+    line; the others exit quietly. Any of these, or a bug's traceback, ends a rank whose process group is
+    up without tearing the group down (see ``_exit``)."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -76,9 +101,14 @@ def exit_on_user_error(main):
             return main(*args, **kwargs)
         except UserError as error:
             _print_launch_error(error_line(str(error)))
-            sys.exit(2)
+            _exit(2)
         except KeyboardInterrupt:  # Ctrl-C before training installs its agreed stop (start-up), or in a tool
             _print_launch_error(f"{_prog()}: interrupted by SIGINT (Ctrl-C) before it finished")
-            sys.exit(128 + signal.SIGINT)
+            _exit(128 + signal.SIGINT)
+        except Exception:
+            if not _process_group_is_up():
+                raise
+            traceback.print_exc()  # a bug: its traceback, as Python would print it
+            _exit(1)
 
     return wrapper
