@@ -113,7 +113,7 @@ class _WindowFit:
         self.index = {rank: i for i, rank in enumerate(ranks)}
         members, values, counts = [], [], []
         for ends in instances:
-            members.extend(self.index[rank] for rank in ends)
+            members += map(self.index.__getitem__, ends)
             values.extend(ends.values())
             counts.append(len(ends))
         self.member = np.array(members, dtype=np.int64)
@@ -123,7 +123,14 @@ class _WindowFit:
         self.centre = float(np.mean(medians))
         self.scale = max(float(np.max(np.abs(medians - self.centre))), 1.0)
         self.tau = ((medians - self.centre) / self.scale)[self.row]  # in [-1, 1]: keeps the system conditioned
-        self.weight = np.ones_like(self.value)
+        self.rows = len(counts)
+        self._weigh(np.ones_like(self.value))
+
+    def _weigh(self, weight):
+        """Sets the finishes' weights, and each instance's total of them: every product of conjugate gradients
+        divides by it, so it is summed once per weighting rather than once per step."""
+        self.weight = weight
+        self.row_weight = np.bincount(self.row, weight, self.rows)
 
     def _row_medians(self, counts):
         """Each instance's median finish: its finishes sorted, the middle one (or two)."""
@@ -133,9 +140,7 @@ class _WindowFit:
 
     def _centred(self, values):
         """``values`` less the weighted mean of their instance's entries."""
-        rows = self.row[-1] + 1 if len(self.row) else 0
-        total = np.bincount(self.row, self.weight, rows)
-        return values - (np.bincount(self.row, self.weight * values, rows) / total)[self.row]
+        return values - (np.bincount(self.row, self.weight * values, self.rows) / self.row_weight)[self.row]
 
     def _by_rank(self, values):
         size = len(self.index)
@@ -149,8 +154,7 @@ class _WindowFit:
     def _rank_blocks(self):
         """Per rank, the normal matrix's own 2 x 2 block (offset, drift): (offset-offset, offset-drift,
         drift-drift). Inverted, it preconditions the gradients: a rank's offset and drift move together."""
-        rows = self.row[-1] + 1 if len(self.row) else 0
-        own = self.weight - self.weight ** 2 / np.bincount(self.row, self.weight, rows)[self.row]
+        own = self.weight - self.weight ** 2 / self.row_weight[self.row]
         size = len(self.index)
         return tuple(np.bincount(self.member, factor * own, size) for factor in (1.0, self.tau, self.tau ** 2))
 
@@ -197,7 +201,7 @@ class _WindowFit:
         """Huber weights from the misfits; True if they changed."""
         new = np.minimum(1.0, _HUBER_US / np.maximum(np.abs(residuals), 1e-12))
         changed = not np.allclose(new, self.weight, atol=1e-3)
-        self.weight = new
+        self._weigh(new)
         return changed
 
     def misfits_by_rank(self, residuals):
