@@ -113,7 +113,7 @@ class _WindowFit:
         self.index = {rank: i for i, rank in enumerate(ranks)}
         members, values, counts = [], [], []
         for ends in instances:
-            members += map(self.index.__getitem__, ends)
+            members.extend(map(self.index.__getitem__, ends))
             values.extend(ends.values())
             counts.append(len(ends))
         self.member = np.array(members, dtype=np.int64)

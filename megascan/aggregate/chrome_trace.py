@@ -234,6 +234,7 @@ def chrome_trace_events(merged: MergedTrace, origin: float) -> Iterator[list[dic
         events, next_tid = _rank_slices(trace, next_tid, records[trace.rank], origin, arrows, shared)
         yield events
 
+
 def write_chrome_trace(merged: MergedTrace, path: str) -> None:
     """Writes the merged trace to ``path`` (atomically) as {"traceEvents": [...], "otherData": {...}}.
     Millions of events at thousands of ranks: plain dicts, encoded by orjson a rank's list at a time (a call

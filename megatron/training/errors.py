@@ -83,7 +83,7 @@ def _exit(code):
     process ends without the teardown; the kernel closes its sockets."""
     if not _process_group_is_up():
         sys.exit(code)
-    atexit._run_exitfuncs()
+    atexit._run_exitfuncs()  # what the teardown would run first; atexit has no public call for it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
