@@ -21,6 +21,10 @@ def add_arguments(parser):
     group.add_argument("--trace-granularity", choices=("base", "full"), default="full",
                        help="base: iterations, microbatches, optimizer, communication; "
                             "full: also every layer's attention and MLP")
+    group.add_argument("--trace-tp-microbatches", type=int, default=1, metavar="N",
+                       help="record the tensor-parallel collectives of the first N microbatches of each traced "
+                            "iteration and count the rest (each recorded one costs the host 10-20 us on a GPU, and "
+                            "TP issues about a hundred per microbatch); 0: record all")
     group.add_argument("--trace-detect", action="store_true",
                        help="judge each trace window while training runs: rank 0 prints 'MegaScan alert: ...' "
                             "naming a slow or hung rank and why")
@@ -56,6 +60,8 @@ def validate_trace_args(args):
     _require(1 <= continuous <= interval,
              f"--continuous-trace-iterations must be between 1 and --trace-interval ({interval}), "
              f"got {continuous}")
+    _require(args.trace_tp_microbatches >= 0,
+             f"--trace-tp-microbatches must be 0 (record all) or more, got {args.trace_tp_microbatches}")
     _require(interval <= args.train_iters,
              f"--trace-interval {interval} is larger than --train-iters {args.train_iters}: "
              f"no iteration would be traced; lower --trace-interval")

@@ -8,6 +8,14 @@ replaced by recording wrappers; outside windows the originals are back and nothi
 A wrapper records the op (group, sequence number, bytes, dtype, peer) and its start, and hands
 back the Work wrapped so that the rank's ``wait()`` marks the end. Ops issued inside a coalesced
 batch (``_start_coalescing`` .. ``_end_coalescing``, how NCCL batches p2p) end with the batch's Work.
+
+Tensor parallelism issues about a hundred collectives per microbatch of a 24-layer model (two per layer
+each way, more with sequence parallelism), and recording one costs the host 10-20 us on a GPU
+(docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the first
+``--trace-tp-microbatches`` microbatches of each iteration (and those outside microbatches) are recorded;
+the rest are only counted, which keeps every recorded one's sequence number equal to its peers'. Where a
+slow TP peer makes the other wait shows in the recorded ones; detection leaves out the own work that
+spans unrecorded ones.
 """
 
 import torch
@@ -80,9 +88,10 @@ class TracedWork:
 
 
 class CommTracer:
-    def __init__(self, recorder, world=None):
+    def __init__(self, recorder, world=None, tp_microbatches=0):
         self.recorder = recorder
         self.world = world  # traced_world.TracedWorld: where this world's groups sit in the run; None: as they are
+        self.tp_microbatches = tp_microbatches  # record the TP collectives of microbatches below this; 0: all
         self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
@@ -127,11 +136,23 @@ class CommTracer:
             window_groups[name] = {"ranks": ranks, "role": role}
         return name, ranks
 
+    def _unrecorded(self, group):
+        """The name of ``group`` if this op of it is only counted (module docstring), else None."""
+        known = self.groups.get(id(group))
+        if known is None or known[3] != "tp":
+            return None
+        microbatch = self.recorder.context.microbatch
+        return known[1] if microbatch is not None and microbatch >= self.tp_microbatches else None
+
     def _traced(self, method, original):
         recorder = self.recorder
         kind = method if method in P2P_METHODS else "collective"
+        sampled = kind == "collective" and self.tp_microbatches > 0
 
         def traced(group, *args, **kwargs):
+            if sampled and (unrecorded := self._unrecorded(group)) is not None:
+                recorder.skip_collective(method, unrecorded)
+                return original(group, *args, **kwargs)
             name, ranks = self._group(group)
             nbytes, dtype = size_and_dtype(method, args)
             if kind == "collective":

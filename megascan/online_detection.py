@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megascan.aggregate.loading import RankFile, TraceDirectory
 from megascan.aggregate.merged_trace import merge
 from megascan.detection import detect
-from megascan.detection.compute import LAYER_EVENTS, operation_totals
+from megascan.detection.compute import LAYER_EVENTS, operation_totals, tp_waits_known_below
 
 ALERT_PREFIX = "MegaScan alert:"
 SUMMARY_WAIT_SECONDS = 300  # resolving a window's events waits for the GPU to finish that window's work
@@ -57,7 +57,7 @@ def load_hook(path):
 def _op_fields(record, to_us, window):
     start = to_us(record.start)
     return {**record.issued_fields(), "start_us": start, "end_us": None if record.end is None else to_us(record.end),
-            "host_us": min(record.host_us, start), "window": window}
+            "host_us": min(record.host_us, start), "unrecorded_before": record.unrecorded_before, "window": window}
 
 
 def window_line(window, to_us):
@@ -77,7 +77,7 @@ def summarize(metadata, line):
     tp_waits = [(op["start_us"], op["end_us"]) for op in line["ops"]
                 if op["group"] in tp_groups and op["end_us"] is not None]
     compute = operation_totals(events, tp_waits, metadata.get("instance_kind", "training"), metadata["coords"]["pp"],
-                               any(event["name"] in LAYER_EVENTS for event in events))
+                               any(event["name"] in LAYER_EVENTS for event in events), tp_waits_known_below(metadata))
     ops = [{**op, "window": line["window"]} for op in line["ops"]]
     iterations = [event for event in line["events"] if event["name"] == "iteration"]
     return {"metadata": metadata, "compute": compute,

@@ -25,7 +25,7 @@ class TraceContext:
 
 class OpRecord:
     __slots__ = ("op", "kind", "group", "seq", "peer", "bytes", "dtype", "iteration", "microbatch",
-                 "chunk", "phase", "start", "end", "host_us", "window")
+                 "chunk", "phase", "start", "end", "host_us", "window", "unrecorded_before")
 
     def issued_fields(self):
         return {"op": self.op, "kind": self.kind, "group": self.group, "seq": self.seq, "peer": self.peer,
@@ -54,9 +54,19 @@ class Recorder:
         self.context = TraceContext()
         self.window = None
         self.counters = {}
+        # Ops passed unrecorded (skip_collective) since this iteration's latest finish, where the own work before the
+        # next arrival is measured from: that work then holds waits nobody measured.
+        self.unrecorded = 0
+        self.last_unrecorded = None  # the open window's latest (a tuple: last_unrecorded_fields makes it an op)
+
+    def begin_iteration(self, iteration):
+        self.context.iteration = iteration
+        self.context.set_phase("iteration")
+        self.unrecorded = 0
 
     def open_window(self, index, iterations):
         self.window = TraceWindow(index, iterations, self.timer.mark())
+        self.last_unrecorded = None
 
     def close_window(self):
         window, self.window = self.window, None
@@ -84,9 +94,31 @@ class Recorder:
         record.host_us = time.time_ns() / 1000.0
         record.end = None
         record.window = window
+        record.unrecorded_before = self.unrecorded
         window.ops.append(record)
         record.start = self.timer.mark() if start is None else start
         return record
+
+    def skip_collective(self, op, group):
+        """Count a collective that is not recorded: its sequence number goes by, so that the next recorded one
+        matches its peers' (they skip the same ones). The records issued before the next finish say how many
+        were skipped since the last one."""
+        seq = self.counters.get(group, 0)
+        self.counters[group] = seq + 1
+        self.unrecorded += 1
+        ctx = self.context
+        self.last_unrecorded = (op, group, seq, ctx.iteration, ctx.microbatch, ctx.chunk, ctx.phase,
+                                time.time_ns() / 1000.0)
+
+    def last_unrecorded_fields(self):
+        """The open window's latest skipped collective as an ``issued`` line's op (it was entered: a rank blocked in
+        it says so), or None."""
+        if self.last_unrecorded is None:
+            return None
+        op, group, seq, iteration, microbatch, chunk, phase, host_us = self.last_unrecorded
+        return {"op": op, "kind": "collective", "group": group, "seq": seq, "peer": None, "bytes": None,
+                "dtype": None, "iteration": iteration, "microbatch": microbatch, "chunk": chunk, "phase": phase,
+                "host_us": round(host_us, 1), "unrecorded": True}
 
     def end_ops(self, records, end=None):
         """Mark the end of records whose work the rank waited for (only while their window is open);
@@ -96,3 +128,4 @@ class Recorder:
                 if end is None:
                     end = self.timer.mark()
                 record.end = end
+                self.unrecorded = 0

@@ -45,7 +45,7 @@ class TraceSession:
         # What MegaDPP's transport and MegaFBD's coordinator report into the run's transfer-trace sink.
         self.transfers = TransferRecorder(self.recorder)
         context.transfer_trace.install(self.transfers)
-        self.switchable = [CommTracer(self.recorder, self.world), self.transfers]
+        self.switchable = [CommTracer(self.recorder, self.world, args.trace_tp_microbatches), self.transfers]
         if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
             self.switchable.append(OptimizerTracer(self.recorder, optimizer))
         if args.trace_granularity == "full":
@@ -95,6 +95,7 @@ class TraceSession:
             "host": socket.gethostname(), "device": args.device, "device_index": device_index,
             "device_name": torch.cuda.get_device_name(device_index) if on_gpu else "cpu",
             "timer": self.recorder.timer.source, "granularity": args.trace_granularity,
+            "tp_microbatches_recorded": args.trace_tp_microbatches,
             "trace_interval": self.interval, "continuous_trace_iterations": self.continuous,
             "train_iters": args.train_iters}
 
@@ -109,8 +110,7 @@ class TraceSession:
             last = ((iteration - 1) // self.interval + 1) * self.interval
             recorder.open_window((iteration - 1) // self.interval, list(range(iteration, last + 1)))
         recorder.window.traced.append(iteration)
-        recorder.context.iteration = iteration
-        recorder.context.set_phase("iteration")
+        recorder.begin_iteration(iteration)
         for tracer in self.switchable:
             tracer.install()
         self.schedule.active = True

@@ -28,7 +28,7 @@ ROWS_PER_TURN = 64
 _EVENT_ROW = ('{"name":%s,"cat":"compute","iteration":%s,"microbatch":%s,"chunk":%s,"layer":%s,'
               '"start_us":%.1f,"end_us":%.1f}')
 _OP_ROW = ('{"op":%s,"kind":%s,"group":%s,"seq":%s,"peer":%s,"bytes":%s,"dtype":%s,"iteration":%s,'
-           '"microbatch":%s,"chunk":%s,"phase":%s,"start_us":%.1f,"end_us":%s,"host_us":%.1f}')
+           '"microbatch":%s,"chunk":%s,"phase":%s,"start_us":%.1f,"end_us":%s,"host_us":%.1f,"unrecorded_before":%d}')
 _STRINGS = {None: "null"}  # JSON of the few names, groups, dtypes and phases a trace holds
 
 
@@ -68,6 +68,7 @@ class TraceWriter:
         self.queue = queue.Queue()
         self.last_line_at = time.monotonic()
         self.issued_reported = (None, 0)  # (window index, ops of it already written as issued)
+        self.unrecorded_reported = None  # the last skipped collective written as issued
         self.longest_window = 0.0  # seconds from a window's opening to its submission
         self._write_line(metadata)
         self.thread = threading.Thread(target=self._run, name="megascan-writer", daemon=True)
@@ -124,7 +125,8 @@ class TraceWriter:
         ops = _joined(
             _OP_ROW % (_text(r.op), _text(r.kind), _text(r.group), r.seq, _integer(r.peer), r.bytes, _text(r.dtype),
                        _integer(r.iteration), _integer(r.microbatch), _integer(r.chunk), _text(r.phase),
-                       start, "null" if r.end is None else f"{to_us(r.end):.1f}", min(r.host_us, start))
+                       start, "null" if r.end is None else f"{to_us(r.end):.1f}", min(r.host_us, start),
+                       r.unrecorded_before)
             for r in window.ops for start in (to_us(r.start),))
         head = json.dumps({
             "type": "window", "window": window.index, "iterations": window.traced, "complete": complete,
@@ -148,8 +150,13 @@ class TraceWriter:
             reported = 0
         new_ops = window.ops[reported:]
         self.issued_reported = (window.index, reported + len(new_ops))
+        ops = [{**record.issued_fields(), "host_us": round(record.host_us, 1)} for record in new_ops]
+        # A rank blocked in a collective it only counted (--trace-tp-microbatches) says which one.
+        unrecorded = self.recorder.last_unrecorded_fields()
+        if unrecorded is not None and unrecorded != self.unrecorded_reported:
+            ops.append(unrecorded)
+            self.unrecorded_reported = unrecorded
         self._write_line({
             "type": "issued", "window": window.index, "iteration": self.recorder.context.iteration,
-            "groups": dict(window.groups),
-            "ops": [{**record.issued_fields(), "host_us": round(record.host_us, 1)} for record in new_ops]})
+            "groups": dict(window.groups), "ops": ops})
         dump_flight_recorder(os.path.dirname(self.file.name))

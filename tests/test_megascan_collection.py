@@ -44,6 +44,16 @@ def test_tp2_pp2_virtual_pipeline_trace_files_and_unchanged_losses(gpt_data, tmp
             tp_allreduces = [op for op in window["ops"] if op["op"] == "allreduce"
                              and window["groups"][op["group"]]["role"] == "tp"]
             assert tp_allreduces and all(op["bytes"] > 0 and op["dtype"] == "float32" for op in tp_allreduces)
+            # --trace-tp-microbatches 1 (the default): microbatch 0's TP collectives and those outside microbatches
+            assert {op["microbatch"] for op in tp_allreduces} <= {0, None}
+            assert any(op["unrecorded_before"] > 0 for op in window["ops"])
+        assert metadata["tp_microbatches_recorded"] == 1
+    # The skipped ones are counted: each recorded TP collective has the same sequence number on both peers.
+    for pp in (0, 1):
+        peers = [read_trace_file(tmp_path / f"trace/benchmark-data-0-pipeline-{pp}-tensor-{tp}.json") for tp in (0, 1)]
+        seqs = [[(w["window"], op["seq"], op["op"]) for w in windows[1:] for op in w["ops"]
+                 if w["groups"][op["group"]]["role"] == "tp"] for windows in peers]
+        assert seqs[0] == seqs[1] and len({seq for _, seq, _ in seqs[0]}) < max(seq for _, seq, _ in seqs[0])
 
 
 def test_layer_halves_share_their_boundaries(gpt_data, tmp_path):
@@ -72,11 +82,16 @@ def test_layer_halves_share_their_boundaries(gpt_data, tmp_path):
 
 
 def test_trace_window_at_the_end_of_training_is_kept(gpt_data, tmp_path):
-    traced_run(gpt_data, tmp_path, "DP2xTP2", iterations=5, extra=["--trace-granularity", "base"])
+    traced_run(gpt_data, tmp_path, "DP2xTP2", iterations=5,
+               extra=["--trace-granularity", "base", "--trace-tp-microbatches", "0"])
     _, first, last = read_trace_file(tmp_path / "benchmark-data-1-pipeline-0-tensor-1.json")
     assert (first["iterations"], first["complete"]) == ([2, 3], True)
     assert (last["iterations"], last["complete"]) == ([5], False)
     assert not any(e["name"].startswith(("attention", "mlp")) for e in first["events"])
+    # --trace-tp-microbatches 0: every microbatch's TP collectives, none skipped
+    tp_ops = [op for op in first["ops"] if first["groups"][op["group"]]["role"] == "tp"]
+    assert {op["microbatch"] for op in tp_ops} >= {0, 1}
+    assert not any(op["unrecorded_before"] for op in first["ops"])
 
 
 FLAG_CASES = {
@@ -87,6 +102,8 @@ FLAG_CASES = {
         ["--trace-interval", "7"], "--trace-interval 7 is larger than --train-iters 6"),
     "interval zero": (["--trace-interval", "0"], "--trace-interval must be at least 1, got 0"),
     "unknown granularity": (["--trace-granularity", "fine"], "argument --trace-granularity: invalid choice"),
+    "negative TP microbatches": (["--trace-tp-microbatches", "-1"],
+                                 "--trace-tp-microbatches must be 0 (record all) or more, got -1"),
 }
 
 

@@ -7,7 +7,9 @@ stage and chunk. Time spent waiting in tensor-parallel collectives inside an eve
 (a victim waits there for its slow peer), leaving the rank's own compute. A GPU shared with
 another job is not slower at every kernel: it loses whole time slices now and then, so the
 comparison is of total time, not of the typical sample. A rank's ratio is its own compute over
-what the other ranks typically take for the same operations (the median of their means).
+what the other ranks typically take for the same operations (the median of their means). Where only
+the first microbatches' TP collectives were recorded (``--trace-tp-microbatches``), only those
+microbatches' events are compared: the others' waits are unknown.
 """
 
 from __future__ import annotations
@@ -72,14 +74,22 @@ def _operation_key(event, kind, stage):
 OperationTotals = dict[tuple, list]
 
 
+def tp_waits_known_below(metadata: dict) -> int | None:
+    """The microbatch from which a rank's TP collectives went unrecorded (session metadata), or None: all known."""
+    recorded = metadata.get("tp_microbatches_recorded")
+    return recorded if recorded and metadata["layout"]["tp"] > 1 else None
+
+
 def operation_totals(events: list[dict], tp_waits: list[tuple[float, float]], kind: str, stage: int,
-                     layers_traced: bool) -> OperationTotals:
+                     layers_traced: bool, known_below: int | None = None) -> OperationTotals:
     """{operation key: [own compute in total (us), samples]} of one rank, from its events (dicts with "name",
-    "start", "end", "chunk") and its TP collectives' (start, end) intervals, all on one clock. With
-    ``layers_traced``, only the layers: the finer, uniform comparison. A window's totals are what online
-    detection gathers from each rank instead of its events."""
+    "start", "end", "chunk", "microbatch") and its TP collectives' (start, end) intervals, all on one clock.
+    With ``layers_traced``, only the layers: the finer, uniform comparison. ``known_below``: only the events of
+    microbatches below it (tp_waits_known_below). A window's totals are what online detection gathers from
+    each rank instead of its events."""
     chosen = [(key, e) for e in events if (key := _operation_key(e, kind, stage)) is not None
-              and not (layers_traced and e["name"] in MICROBATCH_EVENTS)]
+              and not (layers_traced and e["name"] in MICROBATCH_EVENTS)
+              and (known_below is None or (e.get("microbatch") or 0) < known_below)]
     if not chosen:
         return {}
     own = _own_compute(np.array([e["start"] for _, e in chosen], dtype=np.float64),
@@ -98,7 +108,8 @@ def totals_by_rank(merged: MergedTrace) -> dict[int, OperationTotals]:
     layers_traced = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
     intervals = {rank: list(zip(w[0].tolist(), w[1].tolist())) for rank, w in waits.items() if w is not None}
     return {rank: operation_totals(trace.events, intervals.get(rank, []),
-                                   trace.metadata.get("instance_kind", "training"), trace.coords["pp"], layers_traced)
+                                   trace.metadata.get("instance_kind", "training"), trace.coords["pp"], layers_traced,
+                                   tp_waits_known_below(trace.metadata))
             for rank, trace in merged.ranks.items()}
 
 

@@ -97,6 +97,7 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
     alone = np.isnan(expected_gap)
     ratio = np.array([compute_ratios.get(rank, np.nan) for rank in timelines.rank[alone].tolist()], dtype=np.float64)
     expected_gap[alone] = timelines.gap[alone] / ratio
+    expected_gap[timelines.opaque] = np.nan  # not own work: it holds unmeasured waits; nobody is charged for it
     ranks = {}
     comparable = ~np.isnan(expected_gap)
     own = np.bincount(timelines.rank[comparable], weights=timelines.gap[comparable]) if comparable.any() else []
@@ -161,7 +162,7 @@ def _split_host_and_device(timelines, waited_for, ranks):
     device_excess = np.bincount(timelines.rank[caused], weights=device[caused] - expected_device[caused],
                                 minlength=span)
     wait = timelines.host_wait()
-    timed = ~np.isnan(wait)
+    timed = ~np.isnan(wait) & ~timelines.opaque
     waited = np.bincount(timelines.rank[timed], weights=wait[timed], minlength=span)
     own = np.bincount(timelines.rank[timed], weights=timelines.gap[timed], minlength=span)
     stage = np.zeros(span, dtype=np.int64)

@@ -14,7 +14,9 @@ them): nobody else could make that time shorter or longer. Every record therefor
   (CUDA events). The GPU cannot reach an op before its host issued it: of the own work before an
   arrival, the part from the previous finish to the issue is time the GPU waited for launches
   (``host_wait``), the rest the GPU's own (``device_work``); the host's own pace is the time between
-  its issues of the two records (``host_interval``), whatever its GPU did meanwhile.
+  its issues of the two records (``host_interval``), whatever its GPU did meanwhile;
+- ``opaque``: whether the rank passed synchronisations it did not record (``--trace-tp-microbatches``)
+  since its previous record: its gap then holds waits nobody measured, so it is not its own work.
 
 Records are held in flat numpy arrays indexed by record number, because a 1024-rank trace has
 hundreds of thousands of them.
@@ -45,6 +47,7 @@ class RankTimelines:
     last_arrival: dict  # instance id -> record number of its last member to arrive (complete instances)
     host: np.ndarray  # record number -> host issue time, global us (nan: unknown, or host-timed: one clock)
     stage: np.ndarray  # record number -> its rank's pipeline stage
+    opaque: np.ndarray  # record number -> its gap spans unrecorded synchronisations (module docstring)
 
     def host_wait(self) -> np.ndarray:
         """Per record: the part of its own work before arriving in which its GPU waited for its host to
@@ -74,7 +77,8 @@ KIND_CODES = {"collective": 0, "send": 1, "recv": 2}
 
 def _reached_records(merged):
     """The records that were reached (not only issued) as rows (rank, start, end, instance, iteration, kind,
-    peer offset, host issue time), and which instances are complete (every member finished them)."""
+    peer offset, host issue time, unrecorded ops before it), and which instances are complete (every member
+    finished them)."""
     values, ranks, nan = [], merged.ranks, np.nan  # one flat list: a tuple per record would double the memory
     split = {rank for rank, trace in ranks.items() if trace.timer != "host_clock"}  # device clock beside host
     complete = np.zeros(len(merged.instances), dtype=bool)
@@ -87,9 +91,10 @@ def _reached_records(merged):
             end, peer, iteration, host = record["end"], record.get("peer"), record.get("iteration"), record.get("host")
             values += (rank, record["start"], nan if end is None else end, number,
                        -1 if iteration is None else iteration, KIND_CODES[record["kind"]],
-                       0 if peer is None else peer - rank, nan if host is None or rank not in split else host)
+                       0 if peer is None else peer - rank, nan if host is None or rank not in split else host,
+                       record.get("unrecorded_before", 0))
         complete[number] = whole
-    return np.array(values, dtype=np.float64).reshape(-1, 8), complete
+    return np.array(values, dtype=np.float64).reshape(-1, 9), complete
 
 
 def _iteration_began(merged, rank, iteration, start):
@@ -175,4 +180,4 @@ def build_timelines(merged: MergedTrace) -> RankTimelines:
     role_key = _role_keys(rank, stage, iteration, role_of[instance], rows[:, 5].astype(np.int64),
                           rows[:, 6].astype(np.int64))
     return RankTimelines(merged.instances, rank, start, end, instance, iteration, role_key, prev, gap,
-                         _last_arrivals(instance, start, complete), rows[:, 7], stage)
+                         _last_arrivals(instance, start, complete), rows[:, 7], stage, rows[:, 8] > 0)
