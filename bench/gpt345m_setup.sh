@@ -1,6 +1,7 @@
 # Sourced by the GPU benchmark scripts: the sample data preprocessed under $RESULTS and, in MODEL,
 # the GPT 345M bf16 flags they share (24 layers, hidden 1024, 16 heads, sequence 1024); SIZES holds
-# what turns it into GPT 1.3B (hidden 2048, sequence 2048).
+# what turns it into GPT 1.3B (hidden 2048, sequence 2048), and 1.3b_mb8 that with micro batch 8
+# (global 64): twice the GPU's work per launch, so that the GPUs, not the hosts, set the pace.
 RESULTS=${RESULTS:-bench_results}
 mkdir -p "$RESULTS/data"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
@@ -13,7 +14,9 @@ MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 
        --clip-grad 1.0 --adam-beta2 0.95 --data-path "$RESULTS/data/gpt_text_document" --split 98,2,0
        --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json
        --merge-file datasets/gpt/merges.txt --eval-interval 100000 --eval-iters 0 --log-interval 10)
-declare -A SIZES=([345m]="" [1.3b]="--hidden-size 2048 --seq-length 2048 --max-position-embeddings 2048")
+declare -A SIZES=([345m]="" [1.3b]="--hidden-size 2048 --seq-length 2048 --max-position-embeddings 2048"
+                 [1.3b_mb8]="--hidden-size 2048 --seq-length 2048 --max-position-embeddings 2048
+                             --micro-batch-size 8 --global-batch-size 64")
 declare -A LAYOUTS=([dp2]="" [dp]="" [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
                     [dp2_distopt]="--use-distributed-optimizer"
                     [tp2]="--tensor-model-parallel-size 2" [pp2]="--pipeline-model-parallel-size 2"

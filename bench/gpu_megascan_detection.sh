@@ -2,10 +2,14 @@
 # MegaScan detection on real GPUs (docs/benchmarks.md, "MegaScan on four GPUs"): traced runs, each
 # aggregated with `tools/aggregate.py -d` on the machine, and with --trace-detect on, so the log holds
 # the online alerts too. Each case in CASES is "<name>:<model>:<layout>:<gpu under load|none>:<duty>:<onset>":
-#   model  tiny (the quickstart's examples/gpt3/train_gpt_tiny.sh job), 345m or 1.3b (bench/gpt345m_setup.sh)
+#   model  tiny (the quickstart's examples/gpt3/train_gpt_tiny.sh job), 345m, 1.3b or 1.3b_mb8
+#          (bench/gpt345m_setup.sh)
 #   layout dp<N>, tp2pp2 (with sequence parallelism), dp2pp2, tp2dp2 (sequence parallel), tp2, pp2, 1
 #   onset  the iteration at which scripts/gpu_load.py starts on that GPU (clocks untouched), so the log's
-#          per-iteration times before and after it say how much slower the job became
+#          per-iteration times before and after it say how much slower the job became; the log marks when
+#          the load's GEMMs began, and the summary says which iteration that was and which window's online
+#          alert came first after it
+# EXTRA: flags added to every case (e.g. --trace-granularity base, which keeps megatron's CUDA graphs).
 # HANG=1 adds the hang case: the quickstart's job on 4 GPUs (TP2 x PP2), every iteration traced, rank
 # HANG_RANK (2) stopped with SIGSTOP from outside after iteration 30, PyTorch's flight recorder on
 # (TORCH_NCCL_TRACE_BUFFER_SIZE, dump on timeout into the trace directory, a one-minute timeout);
@@ -22,24 +26,38 @@ declare -A LAYOUT_FLAGS=([1]="" [dp2]="" [dp4]="" [tp2]="--tensor-model-parallel
 declare -A LAYOUT_PROCS=([1]=1 [dp2]=2 [dp4]=4 [tp2]=2 [pp2]=2 [dp2pp2]=4 [tp2dp2]=4 [tp2pp2]=4)
 TRACE=(--trace --trace-interval 5 --continuous-trace-iterations 2 --trace-detect --log-interval 1)
 
-# Start the competing load on GPU $1 (duty $2) once $3 (a log) shows iteration $4.
+# Start the competing load on GPU $1 (duty $2) once $3 (a log) shows iteration $4; mark in that log when its
+# GEMMs begin (appended lines: the job's own lines stay whole).
 load_from_iteration() {
     until grep -qE "iteration +$4/" "$3" 2>/dev/null; do sleep 0.2; done
-    exec python3 scripts/gpu_load.py --gpu "$1" --duty "$2" --size 8192 --duration 600
+    python3 scripts/gpu_load.py --gpu "$1" --duty "$2" --size 8192 --duration 600 | while IFS= read -r line; do
+        echo "$line"
+        [[ $line == "gpu_load: "*" GEMMs on GPU"* ]] && echo "== competing load began" >> "$3"
+    done
 }
 
-# ms per iteration before and after the load's onset (the log's per-iteration "elapsed time per iteration").
+# ms per iteration before and after the load began (the log's per-iteration "elapsed time per iteration"),
+# the iteration it began in, and the first online alert after it.
 slowdown() {
     python3 - "$1" "$2" <<'EOF'
 import re, statistics, sys
-times = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
-    r"iteration +(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+)", open(sys.argv[1]).read())}
+text = open(sys.argv[1]).read()
+marker = text.find("== competing load began")
 onset = int(sys.argv[2])
+if marker >= 0:  # the first iteration logged after the marker is the one the load began in
+    later = re.search(r"iteration +(\d+)/", text[marker:])
+    onset = int(later.group(1)) if later else onset
+times = {int(m.group(1)): float(m.group(2)) for m in re.finditer(
+    r"iteration +(\d+)/.*?elapsed time per iteration \(ms\): ([\d.]+)", text)}
 before = [t for i, t in times.items() if 3 <= i < onset]
 after = [t for i, t in times.items() if i > onset + 1]
 if before and after:
     b, a = statistics.median(before), statistics.median(after)
-    print(f"ms/iter before onset {b:.1f}, after {a:.1f}: {100 * (a / b - 1):+.1f} %")
+    print(f"load began in iteration {onset}; ms/iter before {b:.1f}, after {a:.1f}: {100 * (a / b - 1):+.1f} %")
+alert = re.search(r"MegaScan alert: window (\d+) \(iterations (\d+)-(\d+)\): (rank \d+)", text[max(marker, 0):])
+if alert:
+    print(f"first alert after it: window {alert.group(1)} (iterations {alert.group(2)}-{alert.group(3)}), "
+          f"{alert.group(4)}: {int(alert.group(3)) - onset} iteration(s) after the onset's iteration")
 EOF
 }
 
@@ -58,10 +76,11 @@ run_case() {
         [[ $layout == *pp2* ]] && pp=2
         NPROC=$nproc TP=$tp PP=$pp DEVICE=${DEVICE:-cuda} TRAIN_ITERS=$ITERS DATA_PATH=$RESULTS/data/gpt_text_document \
             CHECKPOINT_DIR=$dir/checkpoints timeout 240 bash examples/gpt3/train_gpt_tiny.sh \
-            "${TRACE[@]}" --trace-dir "$dir/trace" > "$log" 2>&1
+            "${TRACE[@]}" ${EXTRA:-} --trace-dir "$dir/trace" > "$log" 2>&1
     else
         timeout 240 torchrun --nproc_per_node "$nproc" pretrain_gpt.py "${MODEL[@]}" ${SIZES[$model]} \
-            ${LAYOUT_FLAGS[$layout]} --train-iters "$ITERS" "${TRACE[@]}" --trace-dir "$dir/trace" > "$log" 2>&1
+            ${LAYOUT_FLAGS[$layout]} --train-iters "$ITERS" "${TRACE[@]}" ${EXTRA:-} --trace-dir "$dir/trace" \
+            > "$log" 2>&1
     fi
     echo "== $name ($model, $layout, load on GPU $gpu duty $duty from iteration $onset): exit $?"
     [[ -n $load_pid ]] && { pkill -P "$load_pid" 2>/dev/null; kill "$load_pid" 2>/dev/null; wait "$load_pid"; }
