@@ -66,6 +66,7 @@ run_case() {
     local dir=$RESULTS/detect_$name nproc=${LAYOUT_PROCS[$layout]} load_pid=
     rm -rf "$dir" && mkdir -p "$dir"
     local log=$dir/log
+    : > "$log"  # the job appends (O_APPEND), so the load's marker line is not overwritten
     if [[ $gpu != none ]]; then
         load_from_iteration "$gpu" "$duty" "$log" "$onset" > "$dir/load.log" 2>&1 &
         load_pid=$!
@@ -76,14 +77,15 @@ run_case() {
         [[ $layout == *pp2* ]] && pp=2
         NPROC=$nproc TP=$tp PP=$pp DEVICE=${DEVICE:-cuda} TRAIN_ITERS=$ITERS DATA_PATH=$RESULTS/data/gpt_text_document \
             CHECKPOINT_DIR=$dir/checkpoints timeout 240 bash examples/gpt3/train_gpt_tiny.sh \
-            "${TRACE[@]}" ${EXTRA:-} --trace-dir "$dir/trace" > "$log" 2>&1
+            "${TRACE[@]}" ${EXTRA:-} --trace-dir "$dir/trace" >> "$log" 2>&1
     else
         timeout 240 torchrun --nproc_per_node "$nproc" pretrain_gpt.py "${MODEL[@]}" ${SIZES[$model]} \
             ${LAYOUT_FLAGS[$layout]} --train-iters "$ITERS" "${TRACE[@]}" ${EXTRA:-} --trace-dir "$dir/trace" \
-            > "$log" 2>&1
+            >> "$log" 2>&1
     fi
     echo "== $name ($model, $layout, load on GPU $gpu duty $duty from iteration $onset): exit $?"
-    [[ -n $load_pid ]] && { pkill -P "$load_pid" 2>/dev/null; kill "$load_pid" 2>/dev/null; wait "$load_pid"; }
+    # SIGTERM: the load stops and prints its summary through the marking loop, which then ends
+    [[ -n $load_pid ]] && { pkill -TERM -f "scripts/gpu_load.py --gpu $gpu " 2>/dev/null; wait "$load_pid"; }
     [[ $gpu != none ]] && slowdown "$log" "$onset"
     grep "MegaScan alert" "$log" | head -3
     python3 tools/aggregate.py -b "$dir/trace" -o "$dir/merged.json" -d --report-json "$dir/report.json" \

@@ -80,9 +80,12 @@ def _masked_evidence(delay, named, attribution):
 
 
 def _split_evidence(delay):
-    return (f"host or GPU: of the {delay.caused_us / 1e3:.1f} ms others waited for it, "
-            f"{delay.caused_host_us / 1e3:.1f} ms came from its host issuing later than its peers' and "
-            f"{delay.caused_device_us / 1e3:.1f} ms from its GPU running longer; its GPU waited for launches "
+    host_ms = delay.caused_host_us / 1e3
+    # A slow GPU's host often runs ahead of its peers' (it waits for its GPU less often): a negative host part.
+    host = (f"{host_ms:.1f} ms came from its host issuing later than its peers'" if host_ms >= 0 else
+            f"its host issued {-host_ms:.1f} ms ahead of its peers' (not late)")
+    return (f"host or GPU: of the {delay.caused_us / 1e3:.1f} ms others waited for it, {host}, and "
+            f"{delay.caused_device_us / 1e3:.1f} ms came from its GPU running longer; its GPU waited for launches "
             f"{100 * delay.launch_wait_share:.0f}% of its own work between synchronisations (its peers: "
             f"{100 * delay.launch_wait_share_of_peers:.0f}%)")
 

@@ -112,11 +112,14 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
     expected_transfer = medians_of_others(transfer, timelines.role_key)
     charged_links = defaultdict(float)
     expected_lengths = []  # each iteration's length less what was charged for it: what the run took unslowed
+    unmeasured_us = 0.0  # own work on the paths that spans unrecorded collectives
     for path in paths:
         charged = 0.0
         for record in path.work:
             delay = ranks[int(timelines.rank[record])]
             delay.path_us += timelines.gap[record]
+            if timelines.opaque[record]:
+                unmeasured_us += timelines.gap[record]
             if comparable[record]:
                 delay.charged_us += timelines.gap[record] - expected_gap[record]
                 charged += timelines.gap[record] - expected_gap[record]
@@ -138,8 +141,10 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
         delay.caused_records = int(records[rank]) if rank < len(records) else 0
     _split_host_and_device(timelines, waited_for, ranks)
     _add_masked(timelines, awaited, comparable, timelines.gap - expected_gap, ranks)
-    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links),
-                            estimate_noise(timelines, expected_gap, expected_lengths))
+    path_us = sum(path.length_us for path in paths)
+    measured_share = 1.0 - float(unmeasured_us) / path_us if path_us > 0 else 1.0
+    return DelayAttribution(path_us, len(paths), ranks, dict(charged_links),
+                            estimate_noise(timelines, expected_gap, expected_lengths, measured_share))
 
 
 def _split_host_and_device(timelines, waited_for, ranks):
@@ -148,20 +153,23 @@ def _split_host_and_device(timelines, waited_for, ranks):
     The host's part of an excess is its issue interval's excess (a host that issued later than its peers'),
     the GPU's part its device work's excess. A rank whose host ran ahead while it waited (a victim) has short
     own work on the GPU, so a peer that did not is not charged for that: its host interval is as its peers'."""
-    interval, device = timelines.host_interval(), timelines.device_work()
-    known = ~np.isnan(interval)
+    interval, device, wait = timelines.host_interval(), timelines.device_work(), timelines.host_wait()
+    # An iteration's first record has no earlier issue to pace the host by: there the host's part is the time
+    # its GPU waited for the launch. (In a data-parallel job that record, the gradients' all-reduce after the
+    # whole backward, holds nearly all of a slow replica's excess.)
+    host_part = np.where(np.isnan(interval), wait, interval)
+    known = ~np.isnan(host_part)
     if not known.any():
         return
-    expected_interval, expected_device = np.full(len(known), np.nan), np.full(len(known), np.nan)
-    expected_interval[known] = medians_of_others(interval[known], timelines.role_key[known])
+    expected_host, expected_device = np.full(len(known), np.nan), np.full(len(known), np.nan)
+    expected_host[known] = medians_of_others(host_part[known], timelines.role_key[known])
     expected_device[known] = medians_of_others(device[known], timelines.role_key[known])
-    caused = waited_for[~np.isnan(expected_interval[waited_for])]
+    caused = waited_for[~np.isnan(expected_host[waited_for])]
     span = int(timelines.rank.max()) + 1
-    host_excess = np.bincount(timelines.rank[caused], weights=interval[caused] - expected_interval[caused],
+    host_excess = np.bincount(timelines.rank[caused], weights=host_part[caused] - expected_host[caused],
                               minlength=span)
     device_excess = np.bincount(timelines.rank[caused], weights=device[caused] - expected_device[caused],
                                 minlength=span)
-    wait = timelines.host_wait()
     timed = ~np.isnan(wait) & ~timelines.opaque
     waited = np.bincount(timelines.rank[timed], weights=wait[timed], minlength=span)
     own = np.bincount(timelines.rank[timed], weights=timelines.gap[timed], minlength=span)

@@ -38,20 +38,28 @@ def _robust_spread(values):
 class RunNoise:
     iteration_spread_us: float = 0.0  # of one iteration's length
     peer_spread_us: float = 0.0  # of one record's own work against its peers'
+    # The share of the critical paths' time that delays can be charged in: the rest is own work that spans
+    # unrecorded collectives (--trace-tp-microbatches), where nobody is charged, and whose jitter then
+    # cannot add up in anyone's delay either.
+    measured_share: float = 1.0
 
     def floor_us(self, iterations: int, records: int) -> float:
         """The delay that the run's own noise could explain, over ``iterations`` and ``records`` operations: a
         sum of n iterations' deviations spreads sqrt(n) times one's; a rank last at an operation by chance is
-        late there by about one peer spread, and such lateness only adds up."""
-        return NOISE_SPREADS * max(self.iteration_spread_us * math.sqrt(iterations), self.peer_spread_us * records)
+        late there by about one peer spread, and such lateness only adds up. Of each iteration only the
+        measured share counts: jitter spread over a share s of n iterations adds up like that of s * n."""
+        return NOISE_SPREADS * max(self.iteration_spread_us * math.sqrt(iterations * self.measured_share),
+                                   self.peer_spread_us * records)
 
 
-def estimate_noise(timelines: RankTimelines, expected_gap: np.ndarray, iteration_us: list[float]) -> RunNoise:
+def estimate_noise(timelines: RankTimelines, expected_gap: np.ndarray, iteration_us: list[float],
+                   measured_share: float = 1.0) -> RunNoise:
     """RunNoise of a run: ``expected_gap`` is each record's peers' own work (nan where it has none), ``iteration_us``
-    each iteration's length less its charges. The peers'
+    each iteration's length less its charges, ``measured_share`` RunNoise's. The peers'
     spread is taken where at least MIN_PEERS ranks did the same work: between two peers every difference is
     both ranks' deviation at once, so a slow rank would make its own yardstick (a TP2 stage of a small job)."""
     comparable = ~np.isnan(expected_gap)
     members = np.bincount(timelines.role_key)[timelines.role_key]
     usable = comparable & (members >= MIN_PEERS)
-    return RunNoise(_robust_spread(iteration_us), _robust_spread(timelines.gap[usable] - expected_gap[usable]))
+    return RunNoise(_robust_spread(iteration_us), _robust_spread(timelines.gap[usable] - expected_gap[usable]),
+                    measured_share)
