@@ -45,7 +45,10 @@ class TraceSession:
         # What MegaDPP's transport and MegaFBD's coordinator report into the run's transfer-trace sink.
         self.transfers = TransferRecorder(self.recorder)
         context.transfer_trace.install(self.transfers)
-        self.switchable = [CommTracer(self.recorder, self.world, args.trace_tp_microbatches), self.transfers]
+        # Only a world with tensor parallelism has TP collectives to sample: elsewhere every op is recorded.
+        self.tp_microbatches = (args.trace_tp_microbatches
+                                if parallel_state.get_tensor_model_parallel_world_size() > 1 else 0)
+        self.switchable = [CommTracer(self.recorder, self.world, self.tp_microbatches), self.transfers]
         if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
             self.switchable.append(OptimizerTracer(self.recorder, optimizer))
         if args.trace_granularity == "full":
@@ -95,7 +98,7 @@ class TraceSession:
             "host": socket.gethostname(), "device": args.device, "device_index": device_index,
             "device_name": torch.cuda.get_device_name(device_index) if on_gpu else "cpu",
             "timer": self.recorder.timer.source, "granularity": args.trace_granularity,
-            "tp_microbatches_recorded": args.trace_tp_microbatches,
+            "tp_microbatches_recorded": self.tp_microbatches,
             "trace_interval": self.interval, "continuous_trace_iterations": self.continuous,
             "train_iters": args.train_iters}
 

@@ -75,9 +75,9 @@ OperationTotals = dict[tuple, list]
 
 
 def tp_waits_known_below(metadata: dict) -> int | None:
-    """The microbatch from which a rank's TP collectives went unrecorded (session metadata), or None: all known."""
-    recorded = metadata.get("tp_microbatches_recorded")
-    return recorded if recorded and metadata["layout"]["tp"] > 1 else None
+    """The microbatch from which a rank's TP collectives went unrecorded (session metadata: 0 where its world has
+    no tensor parallelism or all were recorded), or None: all known."""
+    return metadata.get("tp_microbatches_recorded") or None
 
 
 def operation_totals(events: list[dict], tp_waits: list[tuple[float, float]], kind: str, stage: int,
