@@ -21,10 +21,11 @@ def add_arguments(parser):
     group.add_argument("--trace-granularity", choices=("base", "full"), default="full",
                        help="base: iterations, microbatches, optimizer, communication; "
                             "full: also every layer's attention and MLP")
-    group.add_argument("--trace-tp-microbatches", type=int, default=1, metavar="N",
+    group.add_argument("--trace-tp-microbatches", type=int, default=None, metavar="N",
                        help="record the tensor-parallel collectives of the first N microbatches of each traced "
                             "iteration and count the rest (each recorded one costs the host 10-20 us on a GPU, and "
-                            "TP issues about a hundred per microbatch); 0: record all")
+                            "TP issues about a hundred per microbatch); 0: record all; default: 1 with --device "
+                            "cuda, 0 on CPU")
     group.add_argument("--trace-detect", action="store_true",
                        help="judge each trace window while training runs: rank 0 prints 'MegaScan alert: ...' "
                             "naming a slow or hung rank and why")
@@ -60,7 +61,7 @@ def validate_trace_args(args):
     _require(1 <= continuous <= interval,
              f"--continuous-trace-iterations must be between 1 and --trace-interval ({interval}), "
              f"got {continuous}")
-    _require(args.trace_tp_microbatches >= 0,
+    _require(args.trace_tp_microbatches is None or args.trace_tp_microbatches >= 0,
              f"--trace-tp-microbatches must be 0 (record all) or more, got {args.trace_tp_microbatches}")
     _require(interval <= args.train_iters,
              f"--trace-interval {interval} is larger than --train-iters {args.train_iters}: "

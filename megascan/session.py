@@ -45,9 +45,13 @@ class TraceSession:
         # What MegaDPP's transport and MegaFBD's coordinator report into the run's transfer-trace sink.
         self.transfers = TransferRecorder(self.recorder)
         context.transfer_trace.install(self.transfers)
-        # Only a world with tensor parallelism has TP collectives to sample: elsewhere every op is recorded.
-        self.tp_microbatches = (args.trace_tp_microbatches
-                                if parallel_state.get_tensor_model_parallel_world_size() > 1 else 0)
+        # Only a world with tensor parallelism has TP collectives to sample: elsewhere every op is recorded. By
+        # default only GPUs sample: there a recorded collective costs the host what it needs to keep the GPU busy,
+        # while on CPU the host is the device and sampling would only thin the evidence.
+        requested = args.trace_tp_microbatches
+        if requested is None:
+            requested = 1 if args.device == "cuda" else 0
+        self.tp_microbatches = requested if parallel_state.get_tensor_model_parallel_world_size() > 1 else 0
         self.switchable = [CommTracer(self.recorder, self.world, self.tp_microbatches), self.transfers]
         if optimizer is not None:  # a process that only runs forwards (MegaFBD's forward instances) has none
             self.switchable.append(OptimizerTracer(self.recorder, optimizer))

@@ -12,7 +12,7 @@ MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "6"]
 
 def test_tp2_pp2_virtual_pipeline_trace_files_and_unchanged_losses(gpt_data, tmp_path):
     vp = ["--num-layers-per-virtual-pipeline-stage", "1"]
-    traced = traced_run(gpt_data, tmp_path / "trace", "TP2xPP2", extra=vp)
+    traced = traced_run(gpt_data, tmp_path / "trace", "TP2xPP2", extra=vp + ["--trace-tp-microbatches", "1"])
     plain = torchrun(4, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + vp + [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--train-iters", "6"])
     assert lm_losses(traced.stdout) == lm_losses(plain.stdout) and len(lm_losses(plain.stdout)) == 6
@@ -44,7 +44,7 @@ def test_tp2_pp2_virtual_pipeline_trace_files_and_unchanged_losses(gpt_data, tmp
             tp_allreduces = [op for op in window["ops"] if op["op"] == "allreduce"
                              and window["groups"][op["group"]]["role"] == "tp"]
             assert tp_allreduces and all(op["bytes"] > 0 and op["dtype"] == "float32" for op in tp_allreduces)
-            # --trace-tp-microbatches 1 (the default): microbatch 0's TP collectives and those outside microbatches
+            # --trace-tp-microbatches 1 (the GPU default): microbatch 0's TP collectives and those outside them
             assert {op["microbatch"] for op in tp_allreduces} <= {0, None}
             assert any(op["unrecorded_before"] > 0 for op in window["ops"])
         assert metadata["tp_microbatches_recorded"] == 1
@@ -82,13 +82,13 @@ def test_layer_halves_share_their_boundaries(gpt_data, tmp_path):
 
 
 def test_trace_window_at_the_end_of_training_is_kept(gpt_data, tmp_path):
-    traced_run(gpt_data, tmp_path, "DP2xTP2", iterations=5,
-               extra=["--trace-granularity", "base", "--trace-tp-microbatches", "0"])
-    _, first, last = read_trace_file(tmp_path / "benchmark-data-1-pipeline-0-tensor-1.json")
+    traced_run(gpt_data, tmp_path, "DP2xTP2", iterations=5, extra=["--trace-granularity", "base"])
+    metadata, first, last = read_trace_file(tmp_path / "benchmark-data-1-pipeline-0-tensor-1.json")
     assert (first["iterations"], first["complete"]) == ([2, 3], True)
     assert (last["iterations"], last["complete"]) == ([5], False)
     assert not any(e["name"].startswith(("attention", "mlp")) for e in first["events"])
-    # --trace-tp-microbatches 0: every microbatch's TP collectives, none skipped
+    # On CPU, by default, every microbatch's TP collectives are recorded, none skipped
+    assert metadata["tp_microbatches_recorded"] == 0
     tp_ops = [op for op in first["ops"] if first["groups"][op["group"]]["role"] == "tp"]
     assert {op["microbatch"] for op in tp_ops} >= {0, 1}
     assert not any(op["unrecorded_before"] for op in first["ops"])
