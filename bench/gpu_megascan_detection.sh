@@ -9,7 +9,7 @@
 #          per-iteration times before and after it say how much slower the job became; the log marks when
 #          the load's GEMMs began, and the summary says which iteration that was and which window's online
 #          alert came first after it
-# EXTRA: flags added to every case (e.g. --trace-granularity base, which keeps megatron's CUDA graphs).
+# EXTRA: flags added to every case (e.g. --trace-granularity base).
 # HANG=1 adds the hang case: the quickstart's job on 4 GPUs (TP2 x PP2), every iteration traced, rank
 # HANG_RANK (2) stopped with SIGSTOP from outside after iteration 30, PyTorch's flight recorder on
 # (TORCH_NCCL_TRACE_BUFFER_SIZE, dump on timeout into the trace directory, a one-minute timeout);
@@ -54,7 +54,10 @@ after = [t for i, t in times.items() if i > onset + 1]
 if before and after:
     b, a = statistics.median(before), statistics.median(after)
     print(f"load began in iteration {onset}; ms/iter before {b:.1f}, after {a:.1f}: {100 * (a / b - 1):+.1f} %")
-alert = re.search(r"MegaScan alert: window (\d+) \(iterations (\d+)-(\d+)\): (rank \d+)", text[max(marker, 0):])
+if marker < 0:  # no marker: count from the configured onset's iteration line
+    line = re.search(rf"iteration +{onset}/", text)
+    marker = line.start() if line else 0
+alert = re.search(r"MegaScan alert: window (\d+) \(iterations (\d+)-(\d+)\): (rank \d+)", text[marker:])
 if alert:
     print(f"first alert after it: window {alert.group(1)} (iterations {alert.group(2)}-{alert.group(3)}), "
           f"{alert.group(4)}: {int(alert.group(3)) - onset} iteration(s) after the onset's iteration")

@@ -57,7 +57,9 @@ class Recorder:
         # Ops passed unrecorded (skip_collective) since this iteration's latest finish, where the own work before the
         # next arrival is measured from: that work then holds waits nobody measured.
         self.unrecorded = 0
-        self.last_unrecorded = None  # the open window's latest (a tuple: last_unrecorded_fields makes it an op)
+        # The open window's latest, as a tuple (hundreds are skipped per iteration: a dict each would cost more);
+        # last_unrecorded_fields makes it an op when a stall report needs one.
+        self.last_unrecorded = None
 
     def begin_iteration(self, iteration):
         self.context.iteration = iteration
