@@ -21,10 +21,12 @@ iteration records (each takes two marks: the figure to set against the cost of a
         [--bench-rounds 10] [--bench-json out.json]
 """
 
+import gc
 import statistics
 import sys
 import time
 
+import torch
 from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job
 
 import megascan
@@ -41,6 +43,24 @@ def _bench_args(parser):
     group = parser.add_argument_group("benchmark")
     group.add_argument("--bench-rounds", type=int, default=10, help="intervals per mode")
     group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
+
+
+class CollectorPauses:
+    """Time this process spent in Python's garbage collector, and its full collections (gc.callbacks). A full
+    collection walks every object of a process holding a model: milliseconds to tens of them, at a moment of
+    its own on each rank, unless --manual-gc sets it."""
+
+    def __init__(self):
+        self.seconds, self.full, self._began = 0.0, 0, None
+        gc.callbacks.append(self._phase)
+
+    def _phase(self, phase, info):
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds += time.perf_counter() - self._began
+            self.full += info["generation"] == 2
+            self._began = None
 
 
 def _host_timed(schedule, seconds):
@@ -82,6 +102,8 @@ class IntervalRunner:
             submit(window, complete)
 
         self.session.writer.submit = counted_submit
+        self.collector = CollectorPauses()
+        self.trainer.garbage_collection.start()  # --manual-gc, as Trainer.train would
 
     def _iteration(self, cpu_seconds):
         job, registry = self.job, self.trainer.registry
@@ -90,6 +112,7 @@ class IntervalRunner:
         registry.call("on_iteration_begin", job.context, self.iteration)
         self.trainer.train_step(job.train_iterator)
         registry.call("on_iteration_end", job.context, self.iteration, {})
+        self.trainer.garbage_collection.after_iteration(self.iteration)
         cpu_seconds.append(time.thread_time() - started)
 
     def run(self, mode):
@@ -100,6 +123,7 @@ class IntervalRunner:
         self.session.switchable = self.base_tracers if mode == "base" else self.all_tracers
         times = {"traced": [], "untraced": [], "traced_cpu": [], "untraced_cpu": []}
         self.schedule_host_seconds[0] = self.records[0] = 0
+        gc_seconds, full_collections = self.collector.seconds, self.collector.full
         for _ in range(args.trace_interval):
             kind = "traced" if is_traced(self.iteration + 1, args.trace_interval,
                                          args.continuous_trace_iterations) else "untraced"
@@ -112,6 +136,8 @@ class IntervalRunner:
         times["drain"] = (time.perf_counter() - started) * 1000
         times["schedule_host"] = self.schedule_host_seconds[0] * 1000 / args.trace_interval
         times["records"] = self.records[0] / args.continuous_trace_iterations
+        times["gc_ms"] = (self.collector.seconds - gc_seconds) * 1000
+        times["full_collections"] = self.collector.full - full_collections
         self.plugin.session = self.session
         return times
 
@@ -151,6 +177,23 @@ def _lower_decile(values):
 _POOLED = {"median": statistics.median, "lower decile": _lower_decile}
 
 
+def _collector_by_rank(runs):
+    """{mode: {"gc_ms", "full_collections"}: per interval, each rank's mean over rounds, ranks in order}: the
+    rank that collects sets everyone's step in a synchronous job."""
+    own = {mode: [statistics.mean(r[key] for r in runs[mode]) for key in ("gc_ms", "full_collections")]
+           for mode in MODES}
+    gathered = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, own)
+    return {mode: {"gc_ms": [rank[mode][0] for rank in gathered],
+                   "full_collections": [rank[mode][1] for rank in gathered]} for mode in MODES}
+
+
+def _collector_summary(collector):
+    return "garbage collector per interval, most of any rank: " + ", ".join(
+        f"{mode} {max(figures['gc_ms']):.1f} ms ({max(figures['full_collections']):.1f} full)"
+        for mode, figures in collector.items())
+
+
 @exit_on_user_error
 def main():
     job = setup_gpt_bench_job("bench/megascan_overhead.py", _bench_args)
@@ -175,7 +218,8 @@ def main():
               "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
               "off_ms_per_iteration": statistics.median(off_iteration),
               "off_cpu_ms_per_iteration": statistics.median(off_cpu),
-              "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in MODES}}
+              "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in MODES},
+              "collector": _collector_by_rank(runs)}
     for mode in MODES[1:]:
         def relative(kind, reference, mode=mode):
             return _relative([statistics.mean(r[kind]) for r in runs[mode]], reference)
@@ -198,7 +242,8 @@ def main():
                          f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} "
                          f"ms/iter (schedule issued in {result['schedule_host_ms']['off']:.1f} ms on the host, "
                          f"training thread on CPU {result['off_cpu_ms_per_iteration']:.1f} ms); "
-                         + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:]))
+                         + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:])
+                         + "; " + _collector_summary(result["collector"]))
     shutdown()
 
 

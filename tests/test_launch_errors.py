@@ -56,6 +56,11 @@ CASES = {
         "--enable-cuda-graph means --cuda-graph-impl local; give only one of them"),
     "tensorboard interval of 0": (MOCK + ["--tensorboard-log-interval", "0"], {},
                                   "--tensorboard-log-interval must be >= 1"),
+    "negative garbage collection interval": (MOCK + ["--manual-gc", "--manual-gc-interval", "-1"], {},
+                                             "--manual-gc-interval -1 must be >= 0"),
+    "garbage collection interval without --manual-gc": (MOCK + ["--manual-gc-interval", "10"], {},
+                                                        "--manual-gc-interval and --no-manual-gc-eval only apply "
+                                                        "with --manual-gc; add it"),
     "no data": (["--train-iters", "3", "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"], {},
                 "give --data-path <prefix>"),
     "missing dataset files": (

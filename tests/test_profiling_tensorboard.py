@@ -26,8 +26,11 @@ def _event_files(directory):
 def test_scalars_of_the_log_line_and_the_evaluations_are_written_by_the_last_rank(gpt_data, tmp_path):
     result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + [
         "--pipeline-model-parallel-size", "2", "--train-iters", "5", "--log-interval", "2",
-        "--eval-interval", "2", "--eval-iters", "1", "--split", "90,5,5", "--tensorboard-dir", tmp_path])
+        "--eval-interval", "2", "--eval-iters", "1", "--split", "90,5,5", "--tensorboard-dir", tmp_path,
+        "--manual-gc", "--manual-gc-interval", "2"])
     assert_succeeded(result)
+    assert ("manual garbage collection: the automatic collector is off; a full collection every 2 iterations, and "
+            "before each evaluation") in result.stdout
     assert len(_event_files(tmp_path)) == 1  # one writer: the last rank
     scalars = _scalars(tmp_path)
     evaluation_tags = {f"lm loss {label}{suffix}" for label in ("validation", "test") for suffix in ("", " ppl")}

@@ -83,6 +83,13 @@ def _add_training_args(parser):
     g.add_argument("--exit-interval", type=int, default=None,
                    help="exit (after saving, when --save is set) at an iteration divisible by this")
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's automatic garbage collector off during training; collect at the same iterations "
+                        "on every rank instead, so no rank stalls the others with a collection of its own")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: collect every this many iterations (0: never between iterations)")
+    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false",
+                   help="with --manual-gc: no collection before and after each evaluation")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="deterministic kernels only (torch.use_deterministic_algorithms; cuBLAS workspace and "
                         "NCCL's ring algorithm set unless given): the same run twice computes the same numbers, "

@@ -20,6 +20,7 @@ from megatron.training.checkpointing import load_checkpoint, save_checkpoint, us
 from megatron.training.cuda_graphs import layers_run_eagerly
 from megatron.training.data import build_data_iterators
 from megatron.training.flops import training_flops_per_iteration
+from megatron.training.garbage_collection import ManualGarbageCollection
 from megatron.training.initialize import initialize_megatron, open_launch_store, shutdown
 from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
@@ -83,6 +84,7 @@ class Trainer:
         self.stop_signal = StopSignalAgreement()
         self.profiler = build_profiler(args)  # None unless this rank profiles
         self.tensorboard = TensorBoardLog.for_this_rank(args)  # None unless this rank writes
+        self.garbage_collection = ManualGarbageCollection(args)
 
     def _run_schedule(self, data_iterator, forward_only):
         return self.forward_backward(
@@ -111,7 +113,7 @@ class Trainer:
         for chunk in self.model:
             chunk.eval()
         sums = {}
-        with layers_run_eagerly(self.model):
+        with self.garbage_collection.evaluation(), layers_run_eagerly(self.model):
             for _ in range(iterations):
                 for name, value in reduce_reported_losses(self._run_schedule(data_iterator, forward_only=True)).items():
                     sums[name] = sums.get(name, 0.0) + value
@@ -132,6 +134,9 @@ class Trainer:
         until = args.train_iters if until is None else until
         log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
         cut_short = False
+        if args.manual_gc and not self.garbage_collection.started:
+            print_rank_0(self.garbage_collection.describe())
+        self.garbage_collection.start()
         while state.iteration < until and context.stop_reason is None:
             if self.profiler is not None:
                 self.profiler.iteration_begin(state.iteration + 1)
@@ -144,6 +149,7 @@ class Trainer:
                 self.optimizer.param_groups[0]))
             if self.profiler is not None:
                 self.profiler.iteration_end(state.iteration)
+            self.garbage_collection.after_iteration(state.iteration)
             if valid_iterator is not None and args.eval_iters > 0 and state.iteration % args.eval_interval == 0:
                 log_evaluation("validation", state.iteration, self.evaluate(valid_iterator, args.eval_iters),
                                self.tensorboard)
@@ -162,7 +168,9 @@ class Trainer:
         return not cut_short and (state.iteration == until or context.stop_reason is not None)
 
     def close(self, iteration):
-        """Write what the profiler and TensorBoard still hold (a run stopped early included)."""
+        """Write what the profiler and TensorBoard still hold (a run stopped early included); the garbage collector
+        back as it was."""
+        self.garbage_collection.stop()
         if self.profiler is not None:
             self.profiler.close(iteration)
         if self.tensorboard is not None:

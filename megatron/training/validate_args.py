@@ -228,6 +228,13 @@ def _validate_data(args):
     _require(args.tokenizer_type is not None, "--tokenizer-type is required with --data-path")
 
 
+def _validate_garbage_collection(args):
+    _require(args.manual_gc_interval >= 0, f"--manual-gc-interval {args.manual_gc_interval} must be >= 0 "
+                                           f"(0: no collection between iterations)")
+    _require(args.manual_gc or (args.manual_gc_interval == 0 and args.manual_gc_eval),
+             "--manual-gc-interval and --no-manual-gc-eval only apply with --manual-gc; add it")
+
+
 def _validate_profiling_and_tensorboard(args):
     if args.profile:
         start, end = args.profile_step_start, args.profile_step_end
@@ -257,4 +264,5 @@ def validate_args(args, world_size=None):
     _validate_schedule(args)
     _validate_data(args)
     _validate_profiling_and_tensorboard(args)
+    _validate_garbage_collection(args)
     return args
