@@ -95,14 +95,10 @@ def judge(summaries):
 
 def alert_line(report, window, iterations):
     """One line naming the first suspect and why, or None when the window names nobody."""
-    if not report.suspects:
+    headline = report.headline()
+    if headline is None:
         return None
-    first = report.suspects[0]
-    label = "hung" if first.kind == "hang" else first.kind.replace("_", " ")
-    more = f" (+{len(report.suspects) - 1} more suspect(s))" if len(report.suspects) > 1 else ""
-    why = first.evidence[0] if first.evidence else ""
-    return (f"{ALERT_PREFIX} window {window} (iterations {iterations[0]}-{iterations[-1]}): {first.title()}: "
-            f"{label}, score {first.score:.2f}{more}; {why}")
+    return f"{ALERT_PREFIX} window {window} (iterations {iterations[0]}-{iterations[-1]}): {headline}"
 
 
 class OnlineDetection:

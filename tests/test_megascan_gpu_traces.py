@@ -1,16 +1,39 @@
 """Detection on trace windows recorded on real GPUs (tests/data/*/README.md says how each was made)."""
 
+import json
 from pathlib import Path
 
 from megascan.aggregate import load_and_merge
+from megascan.aggregate.cli import main
+from megascan.aggregate.window_verdicts import judge_windows
 from megascan.detection import detect
 
 DATA = Path(__file__).parent / "data"
+LATE_ONSET = DATA / "dp4_late_onset_h100"
 
 
-def test_loaded_data_parallel_replica_in_a_gpu_bound_job_is_named_alone():
-    report = detect(load_and_merge(DATA / "dp4_loaded_replica_h100"))
-    assert [(s.rank, s.kind) for s in report.suspects] == [(2, "slow_rank")], report.to_text()
-    assert report.host_bound == []
-    assert "its host issued" in report.suspects[0].evidence[1] and "ahead of its peers' (not late)" in (
-        report.suspects[0].evidence[1])
+def test_data_parallel_replica_loaded_late_is_named_alone_in_the_window_after_the_onset():
+    merged = load_and_merge(LATE_ONSET)
+    assert detect(merged).suspects == []  # 2 of 10 traced iterations: diluted over the whole run
+    verdicts = judge_windows(merged)
+    assert [(v.window, v.iterations) for v in verdicts] == [(0, [4, 5]), (1, [9, 10]), (2, [14, 15]), (3, [19, 20]),
+                                                           (4, [24, 25])]
+    assert [[(s.rank, s.kind) for s in v.report.suspects] for v in verdicts] == [[], [], [], [], [(2, "slow_rank")]]
+    loaded = verdicts[-1].report
+    assert loaded.host_bound == []
+    assert "its host issued" in loaded.suspects[0].evidence[1] and "ahead of its peers' (not late)" in (
+        loaded.suspects[0].evidence[1])
+
+
+def test_per_window_flag_prints_each_window_and_writes_them_in_the_report_json(tmp_path, capsys):
+    assert main(["-b", str(LATE_ONSET), "-o", str(tmp_path / "t.json"), "--per-window",
+                 "--report-json", str(tmp_path / "report.json")]) == 0
+    text = capsys.readouterr().out
+    assert "MegaScan detection: no suspect" in text
+    assert "Each window judged alone (--per-window; as --trace-detect judges them during the run):" in text
+    assert "   window 3 (iterations 19-20): no suspect\n" in text
+    assert "   window 4 (iterations 24-25): rank 2 (DP2 PP0 TP0, host vm, GPU 2): slow rank, score" in text
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["suspects"] == []
+    assert [(w["window"], [s["rank"] for s in w["report"]["suspects"]]) for w in report["windows"]] == [
+        (0, []), (1, []), (2, []), (3, []), (4, [2])]

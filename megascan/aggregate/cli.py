@@ -21,6 +21,7 @@ from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import MergedTrace, load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
+from megascan.aggregate.window_verdicts import judge_windows, verdicts_text
 from megascan.detection import detect
 from megatron.training.atomic_file import replaced_on_success
 
@@ -48,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-d", "--detect", action="store_true",
                         help="find the slow GPU, slow link or hung rank and print the report")
     parser.add_argument("--report-json", metavar="PATH", help="also write the detection report as JSON (implies -d)")
+    parser.add_argument("--per-window", action="store_true",
+                        help="also judge each trace window alone, as --trace-detect does during the run: names a "
+                        "fault that began late, which the whole run's verdict dilutes (implies -d)")
     parser.add_argument("--flight-recorder", metavar="PREFIX",
                         help="also read NCCL's flight-recorder dumps PREFIX<rank> (TORCH_NCCL_DEBUG_INFO_TEMP_FILE; "
                         "implies -d); MegaScan's own dumps in DIR are read with -d anyway")
@@ -113,10 +117,12 @@ def _write(flag, path, writer, *args):
         raise UsageError(flag, f"cannot write {path}: {error.strerror or error}; choose a writable path") from None
 
 
-def _write_report(report, second_witness, path):
+def _write_report(report, second_witness, windows, path):
     document = report.to_json()
     if second_witness is not None:
         document["flight_recorder"] = second_witness.to_json()
+    if windows is not None:
+        document["windows"] = [verdict.to_json() for verdict in windows]
     with replaced_on_success(path) as temporary, open(temporary, "w") as out:
         json.dump(document, out, indent=1)
         out.write("\n")
@@ -198,15 +204,18 @@ def run(args: argparse.Namespace) -> int:
     if args.sqlite:
         _write("--sqlite", args.sqlite, write_sqlite, merged)
         outputs.append(("SQLite", args.sqlite))
-    detecting = args.detect or args.report_json or args.flight_recorder
+    detecting = args.detect or args.report_json or args.flight_recorder or args.per_window
     report = detect(merged) if detecting else None
     second_witness = _flight_recorder(args, merged) if detecting else None
+    windows = judge_windows(merged) if args.per_window else None
     if args.report_json:
-        _write("--report-json", args.report_json, _write_report, report, second_witness)
+        _write("--report-json", args.report_json, _write_report, report, second_witness, windows)
         outputs.append(("detection report JSON", args.report_json))
     print(summary(merged, outputs, time.perf_counter() - started))
     if report is not None:
         print(report.to_text())
+    if windows is not None:
+        print(verdicts_text(windows))
     if second_witness is not None:
         print(second_witness.to_text([suspect.rank for suspect in report.suspects if suspect.kind == "hang"]))
     return 0

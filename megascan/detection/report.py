@@ -43,6 +43,16 @@ class Report:
     def to_json(self) -> dict:
         return asdict(self)
 
+    def headline(self) -> str | None:
+        """The first suspect and why in one line (an alert's, a window's verdict), or None when it names nobody."""
+        if not self.suspects:
+            return None
+        first = self.suspects[0]
+        label = "hung" if first.kind == "hang" else first.kind.replace("_", " ")
+        more = f" (+{len(self.suspects) - 1} more suspect(s))" if len(self.suspects) > 1 else ""
+        why = first.evidence[0] if first.evidence else ""
+        return f"{first.title()}: {label}, score {first.score:.2f}{more}; {why}"
+
     def to_text(self) -> str:
         lines = []
         judged = f" among the {len(self.alignment)} ranks judged" if self.unjudged else ""
