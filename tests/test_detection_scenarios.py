@@ -8,6 +8,7 @@ import json
 import pytest
 
 from megascan.aggregate import load_and_merge
+from megascan.aggregate.window_verdicts import judge_windows
 from megascan.detection import detect
 from megascan.online_detection import judge, summarize
 from megascan.simulation.detection_cases import check, scenarios
@@ -90,3 +91,14 @@ def test_online_judgment_of_a_window_is_the_offline_detection_of_it(tmp_path, fa
     assert verdict and [(s.rank, s.kind, round(s.score, 6)) for s in online.suspects + online.host_bound] == verdict
     assert set(run.scenario.culprits or run.scenario.host_slow) == {verdict[0][0]}
 
+
+
+def test_per_window_judgment_names_the_hung_rank_in_the_window_that_stalled_and_nobody_before(tmp_path):
+    """tools/aggregate.py --per-window on a run whose last window stalled: that window holds only issued
+    records (no iterations completed), and is judged like the others."""
+    run = simulate(Scenario("hang", dp=2, tp=2, pp=2, seed=1, hang=(5, 9, "tp", 2)), tmp_path)
+    verdicts = judge_windows(load_and_merge(run.directory))
+    assert [(v.window, v.iterations) for v in verdicts] == [(0, [4, 5]), (1, [9])]  # it stopped in 9
+    assert verdicts[0].report.suspects == []
+    assert [(s.rank, s.kind) for s in verdicts[1].report.suspects] == [(5, "hang")]
+    assert verdicts[1].line().startswith("window 1 (iteration 9): rank 5 (DP0 PP1 TP1")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Callable
 
 from megascan.aggregate.loading import describe
 from megascan.aggregate.merged_trace import MergedTrace
@@ -44,6 +45,21 @@ def _kept(record, ranks, iterations, rank):
     return rank in ranks and (iterations is None or record.get("iteration") in iterations)
 
 
+def restricted(merged: MergedTrace, keep: Callable[[dict, int], bool], renumber: bool = False) -> MergedTrace:
+    """The MergedTrace with only the events and op records for which ``keep(item, rank)`` holds (ranks left with
+    nothing stay, without events); instances left without records dropped. ``renumber``: instance ids 0..n-1, as
+    detection indexes them, rather than the whole trace's."""
+    traces = {rank: dataclasses.replace(trace, events=[e for e in trace.events if keep(e, rank)])
+              for rank, trace in merged.ranks.items()}
+    instances = []
+    for instance in merged.instances:
+        records = {rank: record for rank, record in instance.records.items() if keep(record, rank)}
+        if records:
+            changed = {"id": len(instances)} if renumber else {}
+            instances.append(dataclasses.replace(instance, records=records, **changed))
+    return dataclasses.replace(merged, ranks=traces, instances=instances)
+
+
 def trace_subset(merged: MergedTrace, ranks: set[int] | None = None,
                  iterations: set[int] | None = None) -> MergedTrace:
     """The MergedTrace restricted to ``ranks`` and ``iterations`` (None: all); SubsetError if that leaves nothing."""
@@ -53,11 +69,5 @@ def trace_subset(merged: MergedTrace, ranks: set[int] | None = None,
     known = {i for trace in merged.ranks.values() for i in trace.iterations}
     if iterations is not None and not iterations & known:
         raise SubsetError("--iterations", f"none of them was traced ({describe(sorted(known), 'iteration')} were)")
-    traces = {rank: dataclasses.replace(trace, events=[e for e in trace.events if _kept(e, ranks, iterations, rank)])
-              for rank, trace in merged.ranks.items() if rank in ranks}
-    instances = []
-    for instance in merged.instances:
-        records = {rank: record for rank, record in instance.records.items() if _kept(record, ranks, iterations, rank)}
-        if records:
-            instances.append(dataclasses.replace(instance, records=records))
-    return dataclasses.replace(merged, ranks=traces, instances=instances)
+    part = restricted(merged, lambda item, rank: _kept(item, ranks, iterations, rank))
+    return dataclasses.replace(part, ranks={rank: trace for rank, trace in part.ranks.items() if rank in ranks})

@@ -10,11 +10,10 @@ and name it where it shows.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from megascan.aggregate.merged_trace import MergedTrace
-from megascan.aggregate.trace_subset import trace_subset
+from megascan.aggregate.trace_subset import restricted
 from megascan.detection import detect
 from megascan.detection.report import Report
 
@@ -27,7 +26,9 @@ class WindowVerdict:
 
     def line(self) -> str:
         headline = self.report.headline() or "no suspect"
-        return f"window {self.window} (iterations {self.iterations[0]}-{self.iterations[-1]}): {headline}"
+        first, last = self.iterations[0], self.iterations[-1]
+        iterations = f"iteration {first}" if first == last else f"iterations {first}-{last}"
+        return f"window {self.window} ({iterations}): {headline}"
 
     def to_json(self) -> dict:
         return {"window": self.window, "iterations": self.iterations, "report": self.report.to_json()}
@@ -43,17 +44,19 @@ def window_iterations(merged: MergedTrace) -> dict[int, list[int]]:
     return {window: sorted(numbers) for window, numbers in sorted(iterations.items())}
 
 
-def _window(merged, iterations):
-    """The merged trace of those iterations alone, its instances numbered 0..n-1 as detection indexes them (a
-    subset for the timeline keeps the whole trace's instance ids instead)."""
-    part = trace_subset(merged, iterations=set(iterations))
-    return dataclasses.replace(part, instances=[dataclasses.replace(instance, id=number)
-                                                for number, instance in enumerate(part.instances)])
+def _window(merged, window, iterations):
+    """The merged trace of one window alone: its op records (those of a window that stalled included, only
+    issued) and the compute events of its iterations."""
+    kept = set(iterations)
+
+    def in_window(item, rank):
+        return item["window"] == window if "window" in item else item.get("iteration") in kept
+    return restricted(merged, in_window, renumber=True)
 
 
 def judge_windows(merged: MergedTrace) -> list[WindowVerdict]:
     """Each window's detection report, the windows in order."""
-    return [WindowVerdict(window, iterations, detect(_window(merged, iterations)))
+    return [WindowVerdict(window, iterations, detect(_window(merged, window, iterations)))
             for window, iterations in window_iterations(merged).items()]
 
 
