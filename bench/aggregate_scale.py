@@ -24,13 +24,13 @@ import sys
 import tempfile
 import time
 
-from megascan.aggregate.bulk import cycle_collection_paused
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory
 from megascan.aggregate.merged_trace import load_and_merge
 from megascan.detection import detect
 from megascan.simulation.simulated_traces import Scenario, simulate
 from megascan.simulation.synthetic_traces import read_lines, write_lines
+from megatron.training.garbage_collection import cycle_collection_paused
 
 SIMULATED_TP, SIMULATED_PP, MICROBATCHES = 8, 8, 9
 

@@ -14,7 +14,9 @@ the pace; close to it: the host does, or a full launch queue held it back); and 
 training thread's CPU time per iteration, which a host-bound job's step time follows but which
 waits behind the other rank or a descheduled thread do not blur (waits for the GPU may: the CUDA
 driver can spin while it blocks a launch or a synchronize), also put per event and op that a traced
-iteration records (each takes two marks: the figure to set against the cost of a mark).
+iteration records (each takes two marks: the figure to set against the cost of a mark); and each rank's
+time in Python's garbage collector per interval (--manual-gc, applied as the training loop applies it,
+takes it out).
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \

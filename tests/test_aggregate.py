@@ -4,7 +4,6 @@ the outputs (Chrome trace, SQLite) hold what they should; bad command lines stop
 
 import concurrent.futures
 import dataclasses
-import gc
 import json
 import os
 import random
@@ -16,7 +15,6 @@ import pytest
 from helpers.launch import REPO
 
 from megascan.aggregate import load_and_merge
-from megascan.aggregate.bulk import cycle_collection_paused
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
@@ -471,20 +469,6 @@ def test_command_line_tools_stop_on_bad_input_with_one_line(tmp_path):
     for (script, (args, expected)), result in zip(cases, results):
         lines = result.stderr.strip().splitlines()
         assert result.returncode == 2 and len(lines) == 1 and expected in lines[0], (script, args, result.stderr)
-
-
-def test_cycle_collection_is_paused_inside_and_its_state_restored_after():
-    assert gc.isenabled()
-    with cycle_collection_paused():
-        assert not gc.isenabled()
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with cycle_collection_paused():
-            pass
-        assert not gc.isenabled()  # it was off before: it stays off
-    finally:
-        gc.enable()
 
 
 def test_a_rank_with_nothing_to_show_leaves_the_chrome_trace_valid(tmp_path):

@@ -1,13 +1,13 @@
 """--manual-gc: Python's collector off during training, full collections at the chosen iterations and around
-evaluations, the collector restored after training. Observed through gc.callbacks, the interpreter's own report
-of each collection."""
+evaluations, the collector restored after training; the pause tools/aggregate.py takes restores what it found.
+Observed through gc.callbacks, the interpreter's own report of each collection."""
 
 import gc
 from types import SimpleNamespace
 
 import pytest
 
-from megatron.training.garbage_collection import ManualGarbageCollection
+from megatron.training.garbage_collection import ManualGarbageCollection, cycle_collection_paused
 
 
 @pytest.fixture
@@ -80,3 +80,17 @@ def test_stop_restores_a_collector_that_was_off_before(collections):
     manual.start()
     manual.stop()
     assert not gc.isenabled()
+
+
+def test_cycle_collection_is_paused_inside_and_its_state_restored_after():
+    assert gc.isenabled()
+    with cycle_collection_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with cycle_collection_paused():
+            pass
+        assert not gc.isenabled()  # it was off before: it stays off
+    finally:
+        gc.enable()

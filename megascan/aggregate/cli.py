@@ -14,7 +14,6 @@ import sys
 import time
 
 from megascan.aggregate.alignment_summary import describe_alignment
-from megascan.aggregate.bulk import cycle_collection_paused
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.flight_recorder import FlightRecorderError, find_dumps, witness
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
@@ -24,6 +23,7 @@ from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_su
 from megascan.aggregate.window_verdicts import judge_windows, verdicts_text
 from megascan.detection import detect
 from megatron.training.atomic_file import replaced_on_success
+from megatron.training.garbage_collection import cycle_collection_paused
 
 PROG = "tools/aggregate.py"
 DEFAULT_OUTPUT = "benchmark.json"

@@ -8,13 +8,30 @@ synchronous job the other ranks wait for the one collecting, a straggler that no
 --manual-gc-interval iterations (0: never between iterations) and before each evaluation, with the
 evaluation's own young objects collected after it (--no-manual-gc-eval: neither), on every rank at once.
 Reference counting still frees everything that holds no cycle.
+
+``tools/aggregate.py`` pauses the collector for another reason: merging a run builds a dict per op
+record and compute event (millions at thousands of ranks) and keeps nearly all of them to the end. Each
+time enough new ones pile up, the collector walks the older ones too, finding no cycle; pausing it took
+a fifth off aggregating 1024 ranks (bench/aggregate_scale.py).
 """
 
 from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+
+
+@contextmanager
+def cycle_collection_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector inside the block; restore its earlier state after it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class ManualGarbageCollection:
@@ -24,23 +41,22 @@ class ManualGarbageCollection:
         self.enabled = args.manual_gc
         self.interval = args.manual_gc_interval
         self.around_evaluation = args.manual_gc_eval
-        self._was_enabled = None
+        self._paused = None  # while training runs: the pause to close at stop()
 
     def describe(self) -> str:
         every = f"every {self.interval} iterations" if self.interval else "never between iterations"
         evaluation = ", and before each evaluation" if self.around_evaluation else ""
         return f"manual garbage collection: the automatic collector is off; a full collection {every}{evaluation}"
 
-    @property
-    def started(self) -> bool:
-        return self._was_enabled is not None
-
-    def start(self) -> None:
-        """Before the first iteration: the automatic collector off, what setup left behind collected."""
-        if self.enabled and not self.started:
-            self._was_enabled = gc.isenabled()
-            gc.disable()
-            gc.collect()
+    def start(self) -> bool:
+        """Before the first iteration: the automatic collector off, what setup left behind collected. Whether
+        this call did it (not without --manual-gc, nor a second time)."""
+        if not self.enabled or self._paused is not None:
+            return False
+        self._paused = ExitStack()
+        self._paused.enter_context(cycle_collection_paused())
+        gc.collect()
+        return True
 
     def after_iteration(self, iteration: int) -> None:
         if self.enabled and self.interval and iteration % self.interval == 0:
@@ -56,6 +72,6 @@ class ManualGarbageCollection:
 
     def stop(self) -> None:
         """After training: the collector as it was before start()."""
-        if self._was_enabled:
-            gc.enable()
-        self._was_enabled = None
+        if self._paused is not None:
+            self._paused.close()
+            self._paused = None

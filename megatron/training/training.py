@@ -134,9 +134,8 @@ class Trainer:
         until = args.train_iters if until is None else until
         log = TrainingLog(args, self.flops_per_iteration, self.tensorboard)
         cut_short = False
-        if args.manual_gc and not self.garbage_collection.started:
+        if self.garbage_collection.start():
             print_rank_0(self.garbage_collection.describe())
-        self.garbage_collection.start()
         while state.iteration < until and context.stop_reason is None:
             if self.profiler is not None:
                 self.profiler.iteration_begin(state.iteration + 1)
