@@ -22,7 +22,7 @@ def add_arguments(parser):
                        help="base: iterations, microbatches, optimizer, communication; "
                             "full: also every layer's attention and MLP")
     group.add_argument("--trace-tp-microbatches", type=int, default=None, metavar="N",
-                       help="record the tensor-parallel collectives of the first N microbatches of each traced "
+                       help="record the tensor-parallel collectives of the last N microbatches of each traced "
                             "iteration and count the rest (each recorded one costs the host 10-20 us on a GPU, and "
                             "TP issues about a hundred per microbatch); 0: record all; default: 1 with --device "
                             "cuda, 0 on CPU")

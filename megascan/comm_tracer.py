@@ -11,16 +11,20 @@ batch (``_start_coalescing`` .. ``_end_coalescing``, how NCCL batches p2p) end w
 
 Tensor parallelism issues about a hundred collectives per microbatch of a 24-layer model (two per layer
 each way, more with sequence parallelism), and recording one costs the host 10-20 us on a GPU
-(docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the first
+(docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the last
 ``--trace-tp-microbatches`` microbatches of each iteration (and those outside microbatches) are recorded;
-the rest are only counted, which keeps every recorded one's sequence number equal to its peers'. Where a
-slow TP peer makes the other wait shows in the recorded ones; detection leaves out the own work that
+the rest are only counted, which keeps every recorded one's sequence number equal to its peers'. The last,
+not the first: an iteration starts with its GPU idle, so the host's launches pace the first microbatch's
+forward, and whatever recording adds to the host there adds to the step; by the last microbatch the host
+runs ahead of its GPU (70-80 ms in GPT 1.3B at TP2 + SP on four H200s) and recording there uses slack.
+Where a slow TP peer makes the other wait shows in the recorded ones; detection leaves out the own work that
 spans unrecorded ones.
 """
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.num_microbatches_calculator import get_num_microbatches
 from torch.distributed import ProcessGroup
 
 # Methods whose first argument holds the input tensors; the rest take (outputs, inputs, ...).
@@ -91,13 +95,16 @@ class CommTracer:
     def __init__(self, recorder, world=None, tp_microbatches=0):
         self.recorder = recorder
         self.world = world  # traced_world.TracedWorld: where this world's groups sit in the run; None: as they are
-        self.tp_microbatches = tp_microbatches  # record the TP collectives of microbatches below this; 0: all
+        self.tp_microbatches = tp_microbatches  # record the TP collectives of this many last microbatches; 0: all
+        self.first_recorded = 0  # the first microbatch whose TP collectives are recorded, set per iteration
         self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
         self.roles = {}
 
     def install(self):
+        if self.tp_microbatches:  # per traced iteration: a batch-size ramp-up changes the number of microbatches
+            self.first_recorded = max(get_num_microbatches() - self.tp_microbatches, 0)
         if not self.roles:
             self.roles = {id(dist.group.WORLD): "world"}
             for role, getter in reversed(_GROUP_ROLES):  # reversed: the first role of a shared group wins
@@ -123,14 +130,18 @@ class CommTracer:
         self.originals = {}
         self.coalescing = {}
 
-    def _group(self, group):
-        known = self.groups.get(id(group))  # by id: asking a group for its name costs a C++ call
+    def _known(self, group):
+        """(group, its name, global ranks, role), cached by id: asking a group for its name costs a C++ call."""
+        known = self.groups.get(id(group))
         if known is None:
             name, ranks = group.group_name, dist.get_process_group_ranks(group)
             if self.world is not None:
                 name, ranks = self.world.group_prefix + name, self.world.global_ranks(ranks)
             known = self.groups[id(group)] = (group, name, ranks, self.roles.get(id(group), "other"))
-        _, name, ranks, role = known
+        return known
+
+    def _group(self, group):
+        _, name, ranks, role = self._known(group)
         window_groups = self.recorder.window.groups
         if name not in window_groups:
             window_groups[name] = {"ranks": ranks, "role": role}
@@ -138,11 +149,11 @@ class CommTracer:
 
     def _unrecorded(self, group):
         """The name of ``group`` if this op of it is only counted (module docstring), else None."""
-        known = self.groups.get(id(group))
-        if known is None or known[3] != "tp":
+        known = self._known(group)
+        if known[3] != "tp":
             return None
         microbatch = self.recorder.context.microbatch
-        return known[1] if microbatch is not None and microbatch >= self.tp_microbatches else None
+        return known[1] if microbatch is not None and microbatch < self.first_recorded else None
 
     def _traced(self, method, original):
         recorder = self.recorder

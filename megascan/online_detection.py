@@ -24,7 +24,7 @@ import torch.distributed as dist
 from megascan.aggregate.loading import RankFile, TraceDirectory
 from megascan.aggregate.merged_trace import merge
 from megascan.detection import detect
-from megascan.detection.compute import LAYER_EVENTS, operation_totals, tp_waits_known_below
+from megascan.detection.compute import LAYER_EVENTS, operation_totals, tp_waits_known
 
 ALERT_PREFIX = "MegaScan alert:"
 SUMMARY_WAIT_SECONDS = 300  # resolving a window's events waits for the GPU to finish that window's work
@@ -77,7 +77,7 @@ def summarize(metadata, line):
     tp_waits = [(op["start_us"], op["end_us"]) for op in line["ops"]
                 if op["group"] in tp_groups and op["end_us"] is not None]
     compute = operation_totals(events, tp_waits, metadata.get("instance_kind", "training"), metadata["coords"]["pp"],
-                               any(event["name"] in LAYER_EVENTS for event in events), tp_waits_known_below(metadata))
+                               any(event["name"] in LAYER_EVENTS for event in events), tp_waits_known(metadata))
     ops = [{**op, "window": line["window"]} for op in line["ops"]]
     iterations = [event for event in line["events"] if event["name"] == "iteration"]
     return {"metadata": metadata, "compute": compute,

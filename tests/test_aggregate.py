@@ -19,6 +19,7 @@ from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.detection import detect
+from megascan.detection.compute import operation_totals, tp_waits_known
 from megascan.simulation.synthetic_traces import op_key, read_lines, write_lines, write_run
 
 # DP2 x PP2 x TP2, 4 layers, 4 microbatches, windows (4, 5) and (9, 10). Per iteration: 4 TP all-reduces
@@ -484,3 +485,18 @@ def test_a_rank_with_nothing_to_show_leaves_the_chrome_trace_valid(tmp_path):
     tracks = {e["args"]["name"] for e in events if e.get("name") == "thread_name"}
     assert tracks and not [name for name in tracks if "(rank 1)" in name]
     assert any("(rank 0)" in name for name in tracks) and any("(rank 2)" in name for name in tracks)
+
+
+def test_compute_compares_only_the_microbatches_whose_tp_waits_were_recorded():
+    """--trace-tp-microbatches N records the last N microbatches' TP collectives (the first N in traces written
+    before tp_microbatches_recorded_are): the compute comparison keeps those and the events outside microbatches."""
+    layout = {"num_microbatches": 4}
+    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 0}) is None
+    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1,
+                           "tp_microbatches_recorded_are": "last"}) == range(3, 4)
+    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1}) == range(1)
+    # Microbatch 3's forward spans a recorded 40 us TP wait: its own compute is 60 us; microbatch 0's is unknown.
+    events = [{"name": "forward", "microbatch": microbatch, "chunk": 0, "start": start, "end": start + 100.0}
+              for microbatch, start in ((0, 0.0), (3, 1000.0))]
+    totals = operation_totals(events, [(1020.0, 1060.0)], "training", 0, False, range(3, 4))
+    assert totals == {("training", "forward", 0, 0): [60.0, 1]}

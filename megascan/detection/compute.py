@@ -8,7 +8,7 @@ stage and chunk. Time spent waiting in tensor-parallel collectives inside an eve
 another job is not slower at every kernel: it loses whole time slices now and then, so the
 comparison is of total time, not of the typical sample. A rank's ratio is its own compute over
 what the other ranks typically take for the same operations (the median of their means). Where only
-the first microbatches' TP collectives were recorded (``--trace-tp-microbatches``), only those
+some microbatches' TP collectives were recorded (``--trace-tp-microbatches``), only those
 microbatches' events are compared: the others' waits are unknown.
 """
 
@@ -74,22 +74,29 @@ def _operation_key(event, kind, stage):
 OperationTotals = dict[tuple, list]
 
 
-def tp_waits_known_below(metadata: dict) -> int | None:
-    """The microbatch from which a rank's TP collectives went unrecorded (session metadata: 0 where its world has
-    no tensor parallelism or all were recorded), or None: all known."""
-    return metadata.get("tp_microbatches_recorded") or None
+def tp_waits_known(metadata: dict) -> range | None:
+    """The microbatches whose TP collectives a rank recorded (session metadata: ``tp_microbatches_recorded`` 0
+    where its world has no tensor parallelism or all were recorded; the last ones, or the first in traces written
+    before ``tp_microbatches_recorded_are`` was added), or None: all known."""
+    count = metadata.get("tp_microbatches_recorded")
+    if not count:
+        return None
+    if metadata.get("tp_microbatches_recorded_are") == "last":
+        total = metadata["layout"]["num_microbatches"]
+        return range(max(total - count, 0), total)
+    return range(count)
 
 
 def operation_totals(events: list[dict], tp_waits: list[tuple[float, float]], kind: str, stage: int,
-                     layers_traced: bool, known_below: int | None = None) -> OperationTotals:
+                     layers_traced: bool, known: range | None = None) -> OperationTotals:
     """{operation key: [own compute in total (us), samples]} of one rank, from its events (dicts with "name",
     "start", "end", "chunk", "microbatch") and its TP collectives' (start, end) intervals, all on one clock.
-    With ``layers_traced``, only the layers: the finer, uniform comparison. ``known_below``: only the events of
-    microbatches below it (tp_waits_known_below). A window's totals are what online detection gathers from
-    each rank instead of its events."""
+    With ``layers_traced``, only the layers: the finer, uniform comparison. ``known``: only the events of these
+    microbatches and those outside microbatches (tp_waits_known). A window's totals are what online detection
+    gathers from each rank instead of its events."""
     chosen = [(key, e) for e in events if (key := _operation_key(e, kind, stage)) is not None
               and not (layers_traced and e["name"] in MICROBATCH_EVENTS)
-              and (known_below is None or (e.get("microbatch") or 0) < known_below)]
+              and (known is None or e.get("microbatch") is None or e["microbatch"] in known)]
     if not chosen:
         return {}
     own = _own_compute(np.array([e["start"] for _, e in chosen], dtype=np.float64),
@@ -109,7 +116,7 @@ def totals_by_rank(merged: MergedTrace) -> dict[int, OperationTotals]:
     intervals = {rank: list(zip(w[0].tolist(), w[1].tolist())) for rank, w in waits.items() if w is not None}
     return {rank: operation_totals(trace.events, intervals.get(rank, []),
                                    trace.metadata.get("instance_kind", "training"), trace.coords["pp"], layers_traced,
-                                   tp_waits_known_below(trace.metadata))
+                                   tp_waits_known(trace.metadata))
             for rank, trace in merged.ranks.items()}
 
 
