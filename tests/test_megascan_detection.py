@@ -40,7 +40,7 @@ def test_slowed_rank_is_named_first_and_alone(gpt_data, tmp_path, name):
     """Offline, and online: the alert of the first trace window (iterations 2-3) already names it."""
     layout, rank = SLOW[name]
     result = traced_run(gpt_data, tmp_path, layout, extra=["--inject-slowdown-rank", str(rank),
-                                                           "--inject-slowdown-factor", "4", "--trace-detect"])
+                                                           "--inject-slowdown-factor", "8", "--trace-detect"])
     report = detect(load_and_merge(tmp_path))
     assert [s.rank for s in report.suspects] == [rank], report.to_text()
     assert report.suspects[0].kind == "slow_rank"
@@ -53,7 +53,7 @@ def test_detection_exit_stops_the_job_after_the_alerting_window(gpt_data, tmp_pa
     code 0, the checkpoint saved; the hook got the alert on rank 0."""
     alerts_file = tmp_path / "alerts.jsonl"
     result = traced_run(gpt_data, tmp_path / "trace", "TP2xPP2", iterations=9, check=False,
-                        extra=["--inject-slowdown-rank", "1", "--inject-slowdown-factor", "4", "--trace-detect",
+                        extra=["--inject-slowdown-rank", "1", "--inject-slowdown-factor", "8", "--trace-detect",
                                "--trace-detect-exit", "--trace-detect-hook", "alert_hook:record",
                                "--save", str(tmp_path / "ckpt"), "--save-interval", "100"],
                         env={"PYTHONPATH": str(PLUGINS), "MEGASCAN_ALERT_FILE": str(alerts_file)})
