@@ -7,9 +7,17 @@ go to TensorBoard (``tensorboard_log.py``).
 
 import math
 import resource
+import sys
 import time
 
 import torch
+
+
+def print_whole_line(message):
+    """One line from any rank, in one write: ranks share their launcher's stdout, and print() writes the text and
+    its newline separately (unbuffered, as launches run), so two ranks' lines could join into one."""
+    sys.stdout.write(message + "\n")
+    sys.stdout.flush()
 
 
 def print_rank_0(message):

@@ -15,6 +15,7 @@ from helpers.megascope_perturbation_phases import perturbation_phases
 from megascope.attribution import Attribution
 from megascope.capture import CaptureSpec
 from megascope.hooks import HOOK_NAMES
+from megatron.training.initialize import shutdown
 
 PROMPT_TOKENS, DECODE_AT = 12, 9
 CHOSEN = torch.tensor([7, 42])  # the tokens whose logits are attributed, one per prompt
@@ -48,6 +49,10 @@ def main():
         saved["patching"] = patching_phases(chunks, tokens)
     if torch.distributed.get_rank() == 0:
         torch.save(saved, f"{out_dir}/saved.pt")
+    # End as the entry points do: every rank done, then the groups torn down. Without it one run of this script
+    # aborted in gloo ("terminate called without an active exception") with no error of its own.
+    torch.distributed.barrier()
+    shutdown()
 
 
 def _unfused_probs(chunks, tokens):
