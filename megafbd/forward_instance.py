@@ -12,7 +12,6 @@ recomputation): it reads the microbatch's labels and loss mask, as a normal run'
 them, and sends them on with the stage input.
 """
 
-import resource
 import signal
 
 import torch
@@ -38,7 +37,6 @@ from megafbd.weight_sync import WeightSync
 from megatron.training.model_setup import build_model
 from megatron.training.signal_handler import STOP_SIGNALS
 from megatron.training.training import build_iterators
-from megatron.training.training_log import print_whole_line
 
 
 class ForwardInstance:
@@ -163,9 +161,6 @@ class ForwardInstance:
             self.coordinator.send(self.instance.link_group, part, link_rank, TAG_STAGE_INPUT, microbatch)
 
     def _report(self, iterations):
-        peak = (torch.cuda.max_memory_allocated() if self.args.device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        print_whole_line(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: "
-                         f"{iterations} iterations, weights checked {self.weights.checks} times, "
-                         f"{self.data_iterator.count if self.data_iterator else 0} batches read and sent, "
-                         f"peak {'GPU memory' if self.args.device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB")
+        self.instance.report_done(f"{iterations} iterations, weights checked {self.weights.checks} times, "
+                                  f"{self.data_iterator.count if self.data_iterator else 0} batches read and sent",
+                                  self.args.device)

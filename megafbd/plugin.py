@@ -8,7 +8,6 @@ with the next command; a forward process runs ``ForwardInstance`` instead of the
 """
 
 import os
-import resource
 import signal
 
 import torch
@@ -17,7 +16,6 @@ from megafbd.arguments import add_arguments, backward_world_size, is_requested, 
 from megafbd.coordinator import GO, STOP, TAG_ACK, TAG_CONTROL, TAG_RNG, Coordinator, receive
 from megafbd.dropout_rng import packed_state
 from megafbd.process_groups import is_backward, start_instance
-from megatron.training.training_log import print_whole_line
 
 
 class MegaFBDPlugin:
@@ -115,8 +113,5 @@ class MegaFBDPlugin:
         self._command(STOP, iteration)
         self.weights.send_checksum()
         self.coordinator.close()
-        peak = (torch.cuda.max_memory_allocated() if args.device == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        print_whole_line(f"megafbd: {self.instance.describe()} (global rank {self.instance.global_rank}) done: "
-                         f"{self.schedule.batches.count} batches received from the forward instance, peak "
-                         f"{'GPU memory' if args.device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB")
+        self.instance.report_done(f"{self.schedule.batches.count} batches received from the forward instance",
+                                  args.device)

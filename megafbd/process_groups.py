@@ -19,6 +19,7 @@ from megafbd.layout import BACKWARD, InstanceLayout, Link
 from megafbd.message_trace import MessageTrace
 from megatron.training.placement import Placement
 from megatron.training.run_context import RunContext
+from megatron.training.training_log import peak_memory, print_whole_line
 
 
 @dataclass
@@ -46,6 +47,12 @@ class Instance:
     def describe(self):
         where = self.coordinates
         return f"{self.kind} instance (stage {where.pipeline}, replica {where.data}, tensor rank {where.tensor})"
+
+    def report_done(self, details, device):
+        """The instance's last line: what it did, and its peak memory (GPU, or host RSS on CPU)."""
+        _, _, peak = peak_memory(device)
+        print_whole_line(f"megafbd: {self.describe()} (global rank {self.global_rank}) done: {details}, peak "
+                         f"{'GPU memory' if device == 'cuda' else 'host RSS'} {peak / 2**20:.0f} MB")
 
 
 def layout_of(placement: Placement, pipeline: int) -> InstanceLayout:

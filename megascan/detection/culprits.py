@@ -26,7 +26,7 @@ from megascan.detection.waits import GroupWaits
 # 3 % faster. CPU processes sharing an oversubscribed host (tests, --device cpu) differ by far more: a
 # healthy rank of an 8-process DP2 x TP2 x PP2 run on 2 cores measured 2.28x its peers over one 2-iteration
 # window (the scheduler's share, not the rank's work). The tests slow a rank 8x: one slowed 4x measured 2.5-3.3x
-# there (descheduled peers' outliers raise the means it is compared with), and was missed in 2 of 9 runs.
+# there (descheduled peers' outliers raise the means it is compared with); 4 of 17 runs of the test failed.
 SLOW_RATIO = {"cuda_event": 1.12, "host_clock": 3.0}
 # The excess others waited for, as a share of the traced iterations: a healthy GPU's few percent of
 # excess, on the work it happens to be last at, come to under 3 % of an iteration; a 1.2x culprit's

@@ -49,7 +49,7 @@ def main():
         saved["patching"] = patching_phases(chunks, tokens)
     if torch.distributed.get_rank() == 0:
         torch.save(saved, f"{out_dir}/saved.pt")
-    # End as the entry points do: every rank done, then the groups torn down. Without it one run of this script
+    # End as the entry points do: every rank done, then the groups torn down. Before it, one run of this script
     # aborted in gloo ("terminate called without an active exception") with no error of its own.
     torch.distributed.barrier()
     shutdown()
