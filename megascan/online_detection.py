@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from megascan.aggregate.loading import RankFile, TraceDirectory
+from megascan.aggregate.loading import RankFile, TraceDirectory, compacted
 from megascan.aggregate.merged_trace import merge
+from megascan.aggregate.trace_records import ComputeEvent
 from megascan.detection import detect
 from megascan.detection.compute import LAYER_EVENTS, operation_totals, tp_waits_known
 
@@ -54,10 +55,10 @@ def load_hook(path):
     raise ValueError(f"{attribute} is not callable")
 
 
-def _op_fields(record, to_us, window):
+def _op_fields(record, to_us):
     start = to_us(record.start)
     return {**record.issued_fields(), "start_us": start, "end_us": None if record.end is None else to_us(record.end),
-            "host_us": min(record.host_us, start), "unrecorded_before": record.unrecorded_before, "window": window}
+            "host_us": min(record.host_us, start), "unrecorded_before": record.unrecorded_before}
 
 
 def window_line(window, to_us):
@@ -67,27 +68,28 @@ def window_line(window, to_us):
             "events": [{"name": name, "iteration": iteration, "microbatch": microbatch, "chunk": chunk,
                         "layer": layer, "start_us": to_us(start), "end_us": to_us(end)}
                        for name, iteration, microbatch, chunk, layer, start, end in window.events],
-            "ops": [_op_fields(record, to_us, window.index) for record in window.ops]}
+            "ops": [_op_fields(record, to_us) for record in window.ops]}
 
 
 def summarize(metadata, line):
     """The summary of one window line (module docstring): its ops, its iteration events, its compute totals."""
     tp_groups = {name for name, group in line["groups"].items() if group["role"] == "tp"}
-    events = [{**event, "start": event["start_us"], "end": event["end_us"]} for event in line["events"]]
+    events = [ComputeEvent(event) for event in line["events"]]
+    for event in events:  # compared on the rank's own clock: no other rank's times are involved
+        event.start, event.end = event.start_us, event.end_us
     tp_waits = [(op["start_us"], op["end_us"]) for op in line["ops"]
                 if op["group"] in tp_groups and op["end_us"] is not None]
     compute = operation_totals(events, tp_waits, metadata.get("instance_kind", "training"), metadata["coords"]["pp"],
-                               any(event["name"] in LAYER_EVENTS for event in events), tp_waits_known(metadata))
-    ops = [{**op, "window": line["window"]} for op in line["ops"]]
+                               any(event.name in LAYER_EVENTS for event in events), tp_waits_known(metadata))
     iterations = [event for event in line["events"] if event["name"] == "iteration"]
     return {"metadata": metadata, "compute": compute,
-            "line": {**line, "complete": True, "nvml": None, "events": iterations, "ops": ops}}
+            "line": {**line, "complete": True, "nvml": None, "events": iterations}}
 
 
 def judge(summaries):
     """detection.Report of one window from every rank's summary: the offline merge and detection."""
     files = {s["metadata"]["rank"]: RankFile(f"rank {s['metadata']['rank']}", s["metadata"],
-                                             {s["line"]["window"]: s["line"]}) for s in summaries}
+                                             {s["line"]["window"]: compacted(s["line"])}) for s in summaries}
     first = summaries[0]["metadata"]
     loaded = TraceDirectory(first["run_id"], first["layout"], first["world_size"], files, [])
     return detect(merge(loaded), {s["metadata"]["rank"]: s["compute"] for s in summaries})

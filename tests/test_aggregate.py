@@ -18,6 +18,7 @@ from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
+from megascan.aggregate.trace_records import ComputeEvent
 from megascan.detection import detect
 from megascan.detection.compute import operation_totals, tp_waits_known
 from megascan.simulation.synthetic_traces import op_key, read_lines, write_lines, write_run
@@ -50,12 +51,13 @@ def test_every_collective_and_transfer_is_matched_to_its_true_operation(tmp_path
     assert len(merged.instances) == len(operations)
     assert [instance.id for instance in merged.instances] == list(range(len(merged.instances)))
     for instance in merged.instances:
-        truths = {run.truth[op_key(rank, record)] for rank, record in instance.records.items()}
+        truths = {run.truth[op_key(rank, {key: getattr(record, key) for key in ("group", "kind", "peer", "seq")})]
+                  for rank, record in instance.records.items()}
         assert len(truths) == 1, instance  # one true operation per instance ...
         assert set(instance.records) == operations[truths.pop()] == set(instance.participants)  # ... all of it
-        assert instance.missing == [] and not any(r.get("issued_only") for r in instance.records.values())
+        assert instance.missing == [] and not any(r.issued_only for r in instance.records.values())
         if instance.kind == "p2p":
-            assert instance.records[instance.src]["kind"] == "send" and instance.records[instance.dst]["kind"] == "recv"
+            assert instance.records[instance.src].kind == "send" and instance.records[instance.dst].kind == "recv"
     trace = merged.rank_at(dp=1, pp=0, tp=1)
     assert trace.rank == run.rank(1, 0, 1) and trace.windows == [0, 1] and trace.iterations == [4, 5, 9, 10]
     assert not trace.issued_only and len(trace.nvml) == 2 and trace.nvml[0][0] == 0
@@ -72,11 +74,11 @@ def test_injected_clock_offsets_and_drift_are_recovered(tmp_path):
     for rank, trace in merged.ranks.items():
         assert trace.clock.drift_ppm == pytest.approx((clocks.get(rank, (1.0, 0))[0] - 1) * 1e6, abs=3.0)
         for event in trace.events:
-            worst = max(worst, abs(event["start"] - run.to_global(rank, event["start_us"])),
-                        abs(event["end"] - run.to_global(rank, event["end_us"])))
+            worst = max(worst, abs(event.start - run.to_global(rank, event.start_us)),
+                        abs(event.end - run.to_global(rank, event.end_us)))
     for instance in merged.instances:
         for rank, record in instance.records.items():
-            worst = max(worst, abs(record["end"] - run.to_global(rank, record["end_us"])))
+            worst = max(worst, abs(record.end - run.to_global(rank, record.end_us)))
     assert worst < ALIGNMENT_TOLERANCE_US
     # The files' own clocks are milliseconds apart, so merging without alignment would fail this test.
     assert max(abs(offset) for _, offset in clocks.values()) > 1000 * ALIGNMENT_TOLERANCE_US
@@ -102,9 +104,9 @@ def _backwards(merged):
     found = []
     for instance in merged.instances:
         if instance.kind == "p2p":
-            if instance.records[instance.dst]["end"] < instance.records[instance.src]["start"]:
+            if instance.records[instance.dst].end < instance.records[instance.src].start:
                 found.append(instance)
-        elif min(r["end"] for r in instance.records.values()) < max(r["start"] for r in instance.records.values()):
+        elif min(r.end for r in instance.records.values()) < max(r.start for r in instance.records.values()):
             found.append(instance)
     return found
 
@@ -135,7 +137,7 @@ def test_clocks_are_corrected_so_that_nothing_runs_backwards(tmp_path, capsys):
     # its transfers take less than TRANSFER_US_BOUND), and no further than its collectives allow.
     assert list(check.shifts_us) == [3] and check.shifts_us[3] > LATE_RETURN_US - 2 * TRANSFER_US_BOUND
     event = merged.ranks[3].events[0]
-    assert 0 < run.to_global(3, event["start_us"]) - event["start"] < LATE_RETURN_US - check.shifts_us[3] + 1.0
+    assert 0 < run.to_global(3, event.start_us) - event.start < LATE_RETURN_US - check.shifts_us[3] + 1.0
     write_chrome_trace(merged, tmp_path / "merged.json")
     flows = _flow_pairs_in(tmp_path / "merged.json")
     assert len(flows) == TRANSFERS + sum(len(i.records) - 1 for i in merged.instances if i.kind == "collective")
@@ -328,7 +330,7 @@ def test_single_rank_is_its_own_reference(tmp_path):
     write_run(tmp_path, dp=1, pp=1, tp=1)
     merged = load_and_merge(tmp_path)
     assert merged.reference_rank == 0 and merged.problems == [] and merged.instances == []
-    assert all(e["start"] == e["start_us"] and e["end"] == e["end_us"] for e in merged.ranks[0].events)
+    assert all(e.start == e.start_us and e.end == e.end_us for e in merged.ranks[0].events)
 
 
 def test_stalled_window_keeps_what_each_rank_issued(tmp_path):
@@ -338,12 +340,12 @@ def test_stalled_window_keeps_what_each_rank_issued(tmp_path):
                for trace in merged.ranks.values())
     stuck = [i for i in merged.instances if i.missing]
     assert stuck and all(i.missing == [2] for i in stuck)  # only the hung rank never issued ops others did
-    first = min(stuck, key=lambda i: min(r["start"] for r in i.records.values()))
+    first = min(stuck, key=lambda i: min(r.start for r in i.records.values()))
     assert first.role == "tp" and first.iteration == 9 and list(first.records) == [3]
     record = first.records[3]
-    assert record["issued_only"] and record["end"] is None
+    assert record.issued_only and record.end is None
     # Host time on the global clock: the fit of window 0 extrapolated to window 1 (clocks agree, truly).
-    assert record["start"] == pytest.approx(record["host_us"], abs=10.0)
+    assert record.start == pytest.approx(record.host_us, abs=10.0)
     assert sum(len(i.records) for i in merged.instances) == len(run.truth)  # both issued lines, every op once
 
 
@@ -496,7 +498,9 @@ def test_compute_compares_only_the_microbatches_whose_tp_waits_were_recorded():
                            "tp_microbatches_recorded_are": "last"}) == range(3, 4)
     assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1}) == range(1)
     # Microbatch 3's forward spans a recorded 40 us TP wait: its own compute is 60 us; microbatch 0's is unknown.
-    events = [{"name": "forward", "microbatch": microbatch, "chunk": 0, "start": start, "end": start + 100.0}
-              for microbatch, start in ((0, 0.0), (3, 1000.0))]
+    events = [ComputeEvent({"name": "forward", "microbatch": microbatch, "chunk": 0})
+              for microbatch in (0, 3)]
+    for event, start in zip(events, (0.0, 1000.0)):
+        event.start, event.end = start, start + 100.0
     totals = operation_totals(events, [(1020.0, 1060.0)], "training", 0, False, range(3, 4))
     assert totals == {("training", "forward", 0, 0): [60.0, 1]}

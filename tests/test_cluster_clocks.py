@@ -17,9 +17,9 @@ def _worst_error(run, merged):
     worst = 0.0
     for instance in merged.instances:
         for rank, record in instance.records.items():
-            for key in ("start", "end"):
-                true = run.clock.true_time(rank, record["window"], record[f"{key}_us"])
-                worst = max(worst, abs(record[key] - run.clock.reference(record["window"], true)))
+            for local, aligned in ((record.start_us, record.start), (record.end_us, record.end)):
+                true = run.clock.true_time(rank, record.window, local)
+                worst = max(worst, abs(aligned - run.clock.reference(record.window, true)))
     return worst
 
 

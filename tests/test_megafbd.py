@@ -133,7 +133,7 @@ def test_trace_records_both_kinds_and_fbd_messages_as_matched_flows(runs):
     for instance in messages:
         per_iteration[instance.group.rsplit("/", 1)[1]] += 1
     assert per_iteration == {"weights": 4, "batch": 16, "stage-input": 8, "activation": 8, "input-grad": 8}
-    assert {i.records[i.dst]["microbatch"] for i in messages if not i.group.endswith("weights")} == {0, 1, 2, 3}
+    assert {i.records[i.dst].microbatch for i in messages if not i.group.endswith("weights")} == {0, 1, 2, 3}
     flows = [e for e in json.loads((trace_dir / "benchmark.json").read_text())["traceEvents"]
              if e.get("cat") == "flow.p2p" and e["ph"] == "s"]
     assert len(flows) == len(messages)  # one arrow per message: FBD's are the run's only point-to-point ops

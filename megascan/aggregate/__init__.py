@@ -1,8 +1,8 @@
 """MegaScan aggregation (``tools/aggregate.py``): per-rank trace files -> one clock-aligned trace.
 
-loading (read and check the files) -> matching (the same op on different ranks) -> alignment (one
-clock) -> merged_trace (the model detection reads) -> chrome_trace / sqlite_export (outputs); cli ties
-them together. User documentation: docs/megascan_aggregate.md.
+loading (read and check the files; each op record and event kept as a trace_records object) -> matching
+(the same op on different ranks) -> alignment (one clock) -> merged_trace (the model detection reads) ->
+chrome_trace / sqlite_export (outputs); cli ties them together. User documentation: docs/megascan_aggregate.md.
 """
 
 from megascan.aggregate.merged_trace import MergedTrace, OpInstance, RankTrace, load_and_merge

@@ -32,15 +32,15 @@ MAX_DRIFT_PPM = 200.0  # beyond any quartz oscillator's error, let alone an NTP-
 
 def _finished_by_all(instance):
     return (instance.kind == "collective" and not instance.missing and len(instance.records) >= 2
-            and all(record.get("end_us") is not None for record in instance.records.values()))
+            and all(record.end_us is not None for record in instance.records.values()))
 
 
 def _alignment_input(instances):
     """({instance id: {rank: local finish}}, {instance id: trace window}) of the instances finished by all."""
     finished = [instance for instance in instances if _finished_by_all(instance)]
-    return ({instance.id: {rank: record["end_us"] for rank, record in instance.records.items()}
+    return ({instance.id: {rank: record.end_us for rank, record in instance.records.items()}
              for instance in finished},
-            {instance.id: next(iter(instance.records.values())).get("window") for instance in finished})
+            {instance.id: next(iter(instance.records.values())).window for instance in finished})
 
 
 def _reference_rank(ranks, finishes):

@@ -51,13 +51,13 @@ class CausalityCheck:
 
 
 def _orderings(instances, ranks):
-    """[(earlier rank, its issue, later rank, its completion)] in global microseconds (the records' "start"
-    and "end"), per transfer and per collective member of ``ranks``; collectives as (members' issues,
+    """[(earlier rank, its issue, later rank, its completion)] in global microseconds (the records' start
+    and end), per transfer and per collective member of ``ranks``; collectives as (members' issues,
     members' completions) for the T nodes. Ops only issued (a stalled window's) have neither."""
     transfers, collectives = [], []
     for instance in instances:
-        timed = {rank: (record.get("start"), record.get("end")) for rank, record in instance.records.items()
-                 if rank in ranks and not record.get("issued_only")}
+        timed = {rank: (record.start, record.end) for rank, record in instance.records.items()
+                 if rank in ranks and not record.issued_only}
         if instance.kind == "p2p":
             send, recv = timed.get(instance.src, (None, None)), timed.get(instance.dst, (None, None))
             if send[0] is not None and recv[1] is not None:

@@ -39,9 +39,9 @@ class _Shared:
 
 
 def _bounds(items):
-    """(starts, ends) of timed dicts as arrays; an op whose end is unknown ends where it starts."""
-    starts = np.array([item["start"] for item in items], dtype=np.float64)
-    ends = np.array([item["end"] for item in items], dtype=np.float64)  # None -> nan
+    """(starts, ends) of events or op records as arrays; an op whose end is unknown ends where it starts."""
+    starts = np.array([item.start for item in items], dtype=np.float64)
+    ends = np.array([item.end for item in items], dtype=np.float64)  # None -> nan
     unknown = np.isnan(ends)
     ends[unknown] = starts[unknown]
     return starts, ends
@@ -66,7 +66,7 @@ def _lanes(starts, ends):
 
 
 def _end(item):
-    return item["start"] if item["end"] is None else item["end"]
+    return item.start if item.end is None else item.end
 
 
 def _spans(starts, ends, origin):
@@ -93,15 +93,14 @@ def _thread_names(names):
 
 def _op_args(instance, record):
     args = {"instance": instance.id, "group": instance.group, "role": instance.role, "seq": instance.seq,
-            "peer": record.get("peer"), "bytes": record.get("bytes"), "dtype": record.get("dtype"),
-            "iteration": record.get("iteration"), "microbatch": record.get("microbatch"),
-            "chunk": record.get("chunk"), "phase": record.get("phase")}
-    if record.get("issued_only"):
+            "peer": record.peer, "bytes": record.bytes, "dtype": record.dtype, "iteration": record.iteration,
+            "microbatch": record.microbatch, "chunk": record.chunk, "phase": record.phase}
+    if record.issued_only:
         args["end"] = "unknown: only issued (the window never finished)"
-    elif record["end"] is None:
+    elif record.end is None:
         args["end"] = "unknown: the rank never waited for it"
-    elif record["end"] > record["start"] and args["bytes"]:
-        args["bandwidth_GBps"] = round(args["bytes"] / (record["end"] - record["start"]) / 1e3, 3)
+    elif record.end > record.start and record.bytes:
+        args["bandwidth_GBps"] = round(record.bytes / (record.end - record.start) / 1e3, 3)
     if instance.missing:
         args["missing_ranks"] = instance.missing
     return args
@@ -110,12 +109,12 @@ def _op_args(instance, record):
 def _op_name(rank, instance, record, names):
     """The slice's name, one string object per distinct name (``names``)."""
     if instance.kind == "p2p":
-        key = (record["op"], rank == instance.src, record.get("peer"))
+        key = (record.op, rank == instance.src, record.peer)
         name = names.get(key)
         if name is None:
             name = names[key] = f"{key[0]} {'to' if key[1] else 'from'} {key[2]}"
         return name
-    key = (record["op"], instance.role)
+    key = (record.op, instance.role)
     name = names.get(key)
     if name is None:
         name = names[key] = f"{key[0]} {key[1]}"
@@ -148,12 +147,12 @@ def _event_slices(events, first_tid, label, names, origin, shared):
     starts, ends = _bounds(events)
     tids = _tracks("compute", starts, ends, first_tid, label, names)
     for tid, event, (ts, dur) in zip(tids, events, _spans(starts, ends, origin)):
-        fields = (event.get("iteration"), event.get("microbatch"), event.get("chunk"), event.get("layer"))
+        fields = (event.iteration, event.microbatch, event.chunk, event.layer)
         args = shared.event_args.get(fields)
         if args is None:  # the same for the same layer and microbatch on many ranks
             args = shared.event_args[fields] = dict(zip(("iteration", "microbatch", "chunk", "layer"), fields))
-        yield {"ph": "X", "name": event["name"], "cat": event.get("cat", "compute"), "pid": _PID, "tid": tid,
-               "ts": ts, "dur": dur, "args": args}
+        yield {"ph": "X", "name": event.name, "cat": "compute" if event.cat is None else event.cat, "pid": _PID,
+               "tid": tid, "ts": ts, "dur": dur, "args": args}
 
 
 def _rank_slices(trace, first_tid, records, origin, arrows, shared):
@@ -182,7 +181,7 @@ class Arrows:
             if instance.kind == "p2p" and len(records) == 2:
                 source = instance.src
             elif instance.kind != "p2p" and len(records) > 1:
-                source = max(records, key=lambda rank: records[rank]["start"])
+                source = max(records, key=lambda rank: records[rank].start)
             else:
                 continue
             self.source[instance.id] = source
@@ -206,14 +205,14 @@ class Arrows:
 
 def _inside(record, at_end):
     """Where a flow binds to the record's slice: just after its start or just before its end (as _flow_points)."""
-    inset = min(_INSIDE_US, (_end(record) - record["start"]) / 2)
-    return _end(record) - inset if at_end else record["start"] + inset
+    inset = min(_INSIDE_US, (_end(record) - record.start) / 2)
+    return _end(record) - inset if at_end else record.start + inset
 
 
 def time_origin(merged: MergedTrace) -> float:
     """The earliest start of any merged event or op (global microseconds): the trace's time 0."""
-    starts = [e["start"] for t in merged.ranks.values() for e in t.events]
-    starts += [r["start"] for i in merged.instances for r in i.records.values()]
+    starts = [e.start for t in merged.ranks.values() for e in t.events]
+    starts += [r.start for i in merged.instances for r in i.records.values()]
     return min(starts, default=0.0)
 
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import os
 import re
-import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import orjson
+
+from megascan.aggregate.trace_records import ComputeEvent, OpRecord
 
 # The writer's file name (megascan.session.trace_file_name); matched here so that reading traces needs
 # neither torch nor megatron.
@@ -27,8 +28,6 @@ _OP_KEYS = {"window": ("op", "kind", "group", "seq", "peer", "start_us", "end_us
             "issued": ("op", "kind", "group", "seq", "peer", "host_us")}
 _OP_KINDS = ("collective", "send", "recv")
 _EVENT_KEYS = ("name", "start_us", "end_us")
-_OP_STRINGS = ("op", "kind", "group", "dtype", "phase")  # values repeated across records: stored once
-_EVENT_STRINGS = ("name", "cat")
 _LISTED = 8  # name at most this many ranks or files in one problem line
 
 
@@ -38,7 +37,7 @@ class TraceDirectoryError(Exception):
 
 @dataclass
 class RankFile:
-    """One rank's usable lines."""
+    """One rank's usable lines, their op records and events compacted (OpRecords, ComputeEvents)."""
 
     path: str
     metadata: dict
@@ -60,7 +59,7 @@ class RankFile:
         """The rank's last window has only `issued` lines: it never finished it."""
         return bool(self.stalled) and max(self.stalled) > max(self.windows, default=-1)
 
-    def ops(self) -> Iterator[dict]:
+    def ops(self) -> Iterator[OpRecord]:
         """Every op record: those of complete windows (GPU times), then those only issued (host times)."""
         for window in (self.windows, self.stalled):
             for line in window.values():
@@ -115,22 +114,13 @@ def _add_issued(stalled, line):
     facts["ops"].extend(line["ops"])  # each issued line holds only what was issued since the one before
 
 
-def _share_strings(record, keys):
-    """The parser makes a new string for every value; a thousand ranks repeat "allreduce" a million times."""
-    for key in keys:
-        value = record.get(key)
-        if type(value) is str:
-            record[key] = sys.intern(value)
-
-
-def _op_record(op, window):
-    """The parsed op record rebuilt: orjson sizes a dict of its 14 keys at 632 bytes, a rebuilt one takes 464,
-    room included for the keys merging adds (a million records at a thousand ranks). It gets its window
-    (clocks are per window) and shares its repeated strings."""
-    record = dict(op.items())
-    record["window"] = window
-    _share_strings(record, _OP_STRINGS)
-    return record
+def compacted(line: dict) -> dict:
+    """A parsed window or issued line with its op records and events as OpRecords and ComputeEvents, the form
+    merging reads (trace_records.py): from the files, or gathered from the ranks during the run."""
+    compact = {**line, "ops": [OpRecord(op, line["window"]) for op in line["ops"]]}
+    if "events" in line:
+        compact["events"] = [ComputeEvent(event) for event in line["events"]]
+    return compact
 
 
 def _event_fields(event):
@@ -187,11 +177,8 @@ def _read_rank_file(path, problems):
     for line in issued:
         if line["window"] not in rank_file.windows:  # a window line supersedes the window's issued lines
             _add_issued(rank_file.stalled, line)
-    for window in (rank_file.windows, rank_file.stalled):
-        for number, line in window.items():
-            line["ops"] = [_op_record(op, number) for op in line["ops"]]
-            for event in line.get("events", ()):
-                _share_strings(event, _EVENT_STRINGS)
+    rank_file.windows = {number: compacted(line) for number, line in rank_file.windows.items()}
+    rank_file.stalled = {number: compacted(line) for number, line in rank_file.stalled.items()}
     coords = metadata["coords"]
     named = dict(zip(("dp", "pp", "tp"), map(int, TRACE_FILE.match(name).groups())))
     if named != {axis: coords.get(axis) for axis in named}:

@@ -10,19 +10,20 @@ window, match the same way.
 from __future__ import annotations
 
 from megascan.aggregate.loading import RankFile
+from megascan.aggregate.trace_records import OpRecord
 
 InstanceKey = tuple  # ("collective", group, seq) or ("p2p", group, seq, src, dst)
 
 
-def instance_key(rank: int, op: dict) -> InstanceKey:
+def instance_key(rank: int, op: OpRecord) -> InstanceKey:
     """("collective", group, seq) or ("p2p", group, seq, src, dst); equal on every member."""
-    if op["kind"] == "collective":
-        return "collective", op["group"], op["seq"]
-    src, dst = (rank, op["peer"]) if op["kind"] == "send" else (op["peer"], rank)
-    return "p2p", op["group"], op["seq"], src, dst
+    if op.kind == "collective":
+        return "collective", op.group, op.seq
+    src, dst = (rank, op.peer) if op.kind == "send" else (op.peer, rank)
+    return "p2p", op.group, op.seq, src, dst
 
 
-def match_records(files: dict[int, RankFile], problems: list[str]) -> dict[InstanceKey, dict[int, dict]]:
+def match_records(files: dict[int, RankFile], problems: list[str]) -> dict[InstanceKey, dict[int, OpRecord]]:
     """{instance key: {rank: op record}}, instances in order of first appearance (ranks ascending)."""
     instances, repeated = {}, 0
     for rank, rank_file in files.items():

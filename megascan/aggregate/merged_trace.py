@@ -35,7 +35,7 @@ class RankTrace:
     iterations: list  # traced iterations of its complete windows, sorted
     nvml: list  # [(window, NVML reading)] where one was taken
     clock: object  # RankClock: its wall clock -> global time
-    events: list  # compute events of the file, with "start" and "end" in global microseconds
+    events: list  # ComputeEvents of the file, their start and end in global microseconds
     issued_only: bool  # its last window has only issued lines: it never finished that window
 
 
@@ -48,8 +48,7 @@ class OpInstance:
     op: str  # process-group method, e.g. "allreduce" (p2p: the send's, else the recv's)
     seq: int
     participants: list  # global ranks expected: the group's ranks, or [src, dst]
-    records: dict  # rank -> op record + "start"/"end"/"host" (global us; "end" None if unknown, "issued_only";
-    # "host": when its host issued it, None where unknown)
+    records: dict  # rank -> OpRecord, its start, end and host (its host's issue) in global us (None: unknown)
     missing: list  # merged ranks expected here that never recorded it
     src: object = None  # p2p only
     dst: object = None  # p2p only
@@ -85,21 +84,21 @@ def _global(clock, times, window):
 
 
 def _add_global_times(rank_file, clock):
-    """Adds "start"/"end" to the rank's events and op records in place (records are shared with instances)."""
+    """Sets the global times of the rank's events and op records (records are shared with instances)."""
     events = []
     for window, line in rank_file.windows.items():
         timed = line["events"] + line["ops"]
-        for item, start, end in zip(timed, _global(clock, [i["start_us"] for i in timed], window),
-                                    _global(clock, [i["end_us"] for i in timed], window)):
-            item["start"], item["end"] = start, end
+        for item, start, end in zip(timed, _global(clock, [i.start_us for i in timed], window),
+                                    _global(clock, [i.end_us for i in timed], window)):
+            item.start, item.end = start, end
         # When the host issued each op (on the same host clock the window's times were placed on): None
         # in traces that predate the field.
-        for op, host in zip(line["ops"], _global(clock, [op.get("host_us") for op in line["ops"]], window)):
-            op["host"] = host
+        for op, host in zip(line["ops"], _global(clock, [op.host_us for op in line["ops"]], window)):
+            op.host = host
         events += line["events"]
     for window, line in rank_file.stalled.items():
-        for op, start in zip(line["ops"], _global(clock, [op["host_us"] for op in line["ops"]], window)):
-            op["start"], op["end"], op["issued_only"] = start, None, True
+        for op, start in zip(line["ops"], _global(clock, [op.host_us for op in line["ops"]], window)):
+            op.start, op.end, op.issued_only = start, None, True
     return events
 
 
@@ -125,10 +124,10 @@ def _instance(index, key, records, groups, loaded):
         src = dst = None
         participants = group.get("ranks") or sorted(records)
         first = next(iter(records.values()))
-    return OpInstance(id=index, kind=kind, group=group_id, role=group.get("role"), op=first["op"], seq=seq,
+    return OpInstance(id=index, kind=kind, group=group_id, role=group.get("role"), op=first.op, seq=seq,
                       participants=participants, records=records,
                       missing=[r for r in participants if r in loaded and r not in records],
-                      src=src, dst=dst, iteration=first.get("iteration"), bytes=first.get("bytes"))
+                      src=src, dst=dst, iteration=first.iteration, bytes=first.bytes)
 
 
 def _keep_aligned(instances, aligned):

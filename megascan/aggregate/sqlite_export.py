@@ -40,17 +40,15 @@ def _rank_rows(merged):
 def _event_rows(merged):
     for rank, trace in merged.ranks.items():
         for e in trace.events:
-            yield (rank, e["name"], e.get("cat"), e.get("iteration"), e.get("microbatch"), e.get("chunk"),
-                   e.get("layer"), e["start"], e["end"])
+            yield rank, e.name, e.cat, e.iteration, e.microbatch, e.chunk, e.layer, e.start, e.end
 
 
 def _op_rows(merged):
     for instance in merged.instances:
         for rank, r in instance.records.items():
             # kind is the record's own (collective, send or recv): it says which side of a p2p this is
-            yield (instance.id, rank, r["op"], r["kind"], instance.group, instance.role, instance.seq, r.get("peer"),
-                   r.get("bytes"), r.get("dtype"), r.get("iteration"), r.get("microbatch"), r.get("chunk"),
-                   r.get("phase"), r["start"], r["end"])
+            yield (instance.id, rank, r.op, r.kind, instance.group, instance.role, instance.seq, r.peer, r.bytes,
+                   r.dtype, r.iteration, r.microbatch, r.chunk, r.phase, r.start, r.end)
 
 
 def write_sqlite(merged: MergedTrace, path: str) -> None:

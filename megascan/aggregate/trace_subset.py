@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from megascan.aggregate.loading import describe
 from megascan.aggregate.merged_trace import MergedTrace
+from megascan.aggregate.trace_records import ComputeEvent, OpRecord
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -41,11 +42,12 @@ def parse_numbers(text: str, flag: str) -> set[int]:
     return numbers
 
 
-def _kept(record, ranks, iterations, rank):
-    return rank in ranks and (iterations is None or record.get("iteration") in iterations)
+def _kept(item, ranks, iterations, rank):
+    return rank in ranks and (iterations is None or item.iteration in iterations)
 
 
-def restricted(merged: MergedTrace, keep: Callable[[dict, int], bool], renumber: bool = False) -> MergedTrace:
+def restricted(merged: MergedTrace, keep: Callable[[ComputeEvent | OpRecord, int], bool],
+               renumber: bool = False) -> MergedTrace:
     """The MergedTrace with only the events and op records for which ``keep(item, rank)`` holds (ranks left with
     nothing stay, without events); instances left without records dropped. ``renumber``: instance ids 0..n-1, as
     detection indexes them, rather than the whole trace's."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megascan.aggregate.merged_trace import MergedTrace
+from megascan.aggregate.trace_records import OpRecord
 from megascan.aggregate.trace_subset import restricted
 from megascan.detection import detect
 from megascan.detection.report import Report
@@ -39,8 +40,8 @@ def window_iterations(merged: MergedTrace) -> dict[int, list[int]]:
     iterations = {}
     for instance in merged.instances:
         for record in instance.records.values():
-            if record.get("iteration") is not None:
-                iterations.setdefault(record["window"], set()).add(record["iteration"])
+            if record.iteration is not None:
+                iterations.setdefault(record.window, set()).add(record.iteration)
     return {window: sorted(numbers) for window, numbers in sorted(iterations.items())}
 
 
@@ -50,7 +51,7 @@ def _window(merged, window, iterations):
     kept = set(iterations)
 
     def in_window(item, rank):
-        return item["window"] == window if "window" in item else item.get("iteration") in kept
+        return item.window == window if isinstance(item, OpRecord) else item.iteration in kept
     return restricted(merged, in_window, renumber=True)
 
 

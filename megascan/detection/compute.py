@@ -19,6 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from megascan.aggregate.merged_trace import MergedTrace
+from megascan.aggregate.trace_records import ComputeEvent
 from megascan.detection.robust import medians_of_others
 
 LAYER_EVENTS = ("attention-forward", "attention-backward", "mlp-forward", "mlp-backward")
@@ -39,8 +40,8 @@ def _tp_waits_by_rank(merged):
     for instance in merged.instances:
         if instance.kind == "collective" and instance.role == "tp":
             for rank, record in instance.records.items():
-                if record.get("end") is not None:
-                    waits[rank].append((record["start"], record["end"]))
+                if record.end is not None:
+                    waits[rank].append((record.start, record.end))
     return {rank: _tp_waits(intervals) for rank, intervals in waits.items()}
 
 
@@ -63,10 +64,10 @@ def _own_compute(starts, ends, waits):
 def _operation_key(event, kind, stage):
     """What an event is compared with: the same operation on ranks of the same instance kind (MegaFBD's
     forward instances run other work, maybe on other hardware, than its backward instances)."""
-    if event["name"] in LAYER_EVENTS:
-        return kind, event["name"]
-    if event["name"] in MICROBATCH_EVENTS:
-        return kind, event["name"], stage, event.get("chunk")
+    if event.name in LAYER_EVENTS:
+        return kind, event.name
+    if event.name in MICROBATCH_EVENTS:
+        return kind, event.name, stage, event.chunk
     return None
 
 
@@ -87,20 +88,20 @@ def tp_waits_known(metadata: dict) -> range | None:
     return range(count)
 
 
-def operation_totals(events: list[dict], tp_waits: list[tuple[float, float]], kind: str, stage: int,
+def operation_totals(events: list[ComputeEvent], tp_waits: list[tuple[float, float]], kind: str, stage: int,
                      layers_traced: bool, known: range | None = None) -> OperationTotals:
-    """{operation key: [own compute in total (us), samples]} of one rank, from its events (dicts with "name",
-    "start", "end", "chunk", "microbatch") and its TP collectives' (start, end) intervals, all on one clock.
+    """{operation key: [own compute in total (us), samples]} of one rank, from its events (their start and end
+    set) and its TP collectives' (start, end) intervals, all on one clock.
     With ``layers_traced``, only the layers: the finer, uniform comparison. ``known``: only the events of these
     microbatches and those outside microbatches (tp_waits_known). A window's totals are what online detection
     gathers from each rank instead of its events."""
     chosen = [(key, e) for e in events if (key := _operation_key(e, kind, stage)) is not None
-              and not (layers_traced and e["name"] in MICROBATCH_EVENTS)
-              and (known is None or e.get("microbatch") is None or e["microbatch"] in known)]
+              and not (layers_traced and e.name in MICROBATCH_EVENTS)
+              and (known is None or e.microbatch is None or e.microbatch in known)]
     if not chosen:
         return {}
-    own = _own_compute(np.array([e["start"] for _, e in chosen], dtype=np.float64),
-                       np.array([e["end"] for _, e in chosen], dtype=np.float64), _tp_waits(tp_waits))
+    own = _own_compute(np.array([e.start for _, e in chosen], dtype=np.float64),
+                       np.array([e.end for _, e in chosen], dtype=np.float64), _tp_waits(tp_waits))
     totals = {}
     for (key, _), us in zip(chosen, own.tolist()):
         total = totals.setdefault(key, [0.0, 0])
@@ -112,7 +113,7 @@ def operation_totals(events: list[dict], tp_waits: list[tuple[float, float]], ki
 def totals_by_rank(merged: MergedTrace) -> dict[int, OperationTotals]:
     """rank -> operation_totals of every merged rank."""
     waits = _tp_waits_by_rank(merged)
-    layers_traced = any(e["name"] in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
+    layers_traced = any(e.name in LAYER_EVENTS for r in merged.ranks.values() for e in r.events)
     intervals = {rank: list(zip(w[0].tolist(), w[1].tolist())) for rank, w in waits.items() if w is not None}
     return {rank: operation_totals(trace.events, intervals.get(rank, []),
                                    trace.metadata.get("instance_kind", "training"), trace.coords["pp"], layers_traced,

@@ -21,8 +21,8 @@ def _last_recorded(merged, ranks):
     last = {}
     for instance in merged.instances:
         for rank, record in instance.records.items():
-            if rank in ranks and (rank not in last or record["start"] > last[rank][0]):
-                last[rank] = (record["start"], instance)
+            if rank in ranks and (rank not in last or record.start > last[rank][0]):
+                last[rank] = (record.start, instance)
     return {rank: instance for rank, (_, instance) in last.items()}
 
 

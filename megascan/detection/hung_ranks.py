@@ -44,8 +44,8 @@ def _stalled_sequences(merged):
     sequences, stalled = {rank: [] for rank in merged.ranks}, set()
     for instance in merged.instances:
         for rank, record in instance.records.items():
-            if record.get("issued_only") and rank in sequences:
-                sequences[rank].append((record["start"], instance))
+            if record.issued_only and rank in sequences:
+                sequences[rank].append((record.start, instance))
                 stalled.add(instance.id)
     return {rank: [instance for _, instance in sorted(items, key=lambda item: item[0])]
             for rank, items in sequences.items()}, stalled
@@ -129,4 +129,4 @@ def classify_hang(merged: MergedTrace) -> tuple[list[Hung], list[Blocked]]:
 
 
 def _entered_at(instance):
-    return min(record["start"] for record in instance.records.values())
+    return min(record.start for record in instance.records.values())

@@ -32,9 +32,9 @@ def link_stats(merged: MergedTrace, attribution: DelayAttribution) -> list[dict]
         if instance.kind != "p2p" or instance.missing:
             continue
         send, recv = instance.records.get(instance.src), instance.records.get(instance.dst)
-        if not send or not recv or recv.get("end") is None or recv.get("issued_only"):
+        if not send or not recv or recv.end is None or recv.issued_only:
             continue
-        duration = max(recv["end"] - max(send["start"], recv["start"]), 1e-3)
+        duration = max(recv.end - max(send.start, recv.start), 1e-3)
         link = per_link[(instance.src, instance.dst)]
         link["bytes"] += instance.bytes or 0
         link["seconds"] += duration / 1e6

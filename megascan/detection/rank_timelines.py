@@ -85,22 +85,22 @@ def _reached_records(merged):
     for instance in merged.instances:
         whole, number = not instance.missing, instance.id
         for rank, record in instance.records.items():
-            if "issued_only" in record or rank not in ranks:
+            if record.issued_only or rank not in ranks:
                 whole = False
                 continue
-            end, peer, iteration, host = record["end"], record.get("peer"), record.get("iteration"), record.get("host")
-            values += (rank, record["start"], nan if end is None else end, number,
-                       -1 if iteration is None else iteration, KIND_CODES[record["kind"]],
+            end, peer, iteration, host = record.end, record.peer, record.iteration, record.host
+            values += (rank, record.start, nan if end is None else end, number,
+                       -1 if iteration is None else iteration, KIND_CODES[record.kind],
                        0 if peer is None else peer - rank, nan if host is None or rank not in split else host,
-                       record.get("unrecorded_before", 0))
+                       record.unrecorded_before or 0)
         complete[number] = whole
     return np.array(values, dtype=np.float64).reshape(-1, 9), complete
 
 
 def _iteration_began(merged, rank, iteration, start):
     """Per record: when its rank's ``iteration`` event began (the record's own start where there is none)."""
-    events = [(r, e.get("iteration"), e["start"]) for r, trace in merged.ranks.items() for e in trace.events
-              if e["name"] == "iteration" and isinstance(e.get("iteration"), int)]
+    events = [(r, e.iteration, e.start) for r, trace in merged.ranks.items() for e in trace.events
+              if e.name == "iteration" and isinstance(e.iteration, int)]
     if not events:
         return start.copy()
     keys = np.array([r * 2**32 + i for r, i, _ in events], dtype=np.int64)
