@@ -18,7 +18,6 @@ scaling shows as a constant time and memory per operation.
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from megascan.detection import detect
 from megascan.simulation.simulated_traces import Scenario, simulate
 from megascan.simulation.synthetic_traces import read_lines, write_lines
 from megatron.training.garbage_collection import cycle_collection_paused
+from megatron.training.host_memory import resident_bytes
 
 SIMULATED_TP, SIMULATED_PP, MICROBATCHES = 8, 8, 9
 
@@ -108,8 +108,8 @@ def replicated_directory(source, directory, ranks):
 
 def measure(directory):
     """One size, in this process, as tools/aggregate.py runs it (the garbage collector paused): seconds of each
-    step and the peak RSS (the interpreter's own included)."""
-    baseline_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    step and the peak RSS (the interpreter's own included; this process image's, not the simulating parent's)."""
+    baseline_mb = resident_bytes("VmRSS") / 2**20
     output = os.path.join(directory, "benchmark.json")
     with cycle_collection_paused():
         started = time.perf_counter()
@@ -127,7 +127,7 @@ def measure(directory):
             "load_and_merge_s": merged_at - started, "chrome_trace_s": written_at - merged_at,
             "detect_s": detected_at - written_at, "total_s": detected_at - started,
             "chrome_trace_mb": os.path.getsize(output) / 1e6,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "baseline_rss_mb": baseline_mb}
+            "peak_rss_mb": resident_bytes("VmHWM") / 2**20, "baseline_rss_mb": baseline_mb}
 
 
 def _measure_in_child(directory):

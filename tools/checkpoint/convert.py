@@ -13,10 +13,11 @@ import os
 import signal
 import sys
 
-from host_memory import peak_line, resident_bytes
+from host_memory import peak_line
 
 import megatron.training  # noqa: F401  first of megatron's: quiets megatron-core's import notices
 from megatron.training.errors import ArgumentError, error_line, exit_on_user_error
+from megatron.training.host_memory import resident_bytes
 
 CONVERSIONS = {("llama_mistral", "core"): "hf_to_core", ("core", "hf"): "core_to_hf"}
 

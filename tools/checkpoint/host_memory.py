@@ -1,22 +1,10 @@
-"""This process's resident host memory, read from /proc/self/status (Linux), and the C allocator's
-free memory handed back.
+"""Peak host memory of a conversion, and the C allocator's free memory handed back.
 
-Not getrusage's ru_maxrss: an exec'd process inherits that peak from the process it was forked
-from (a test runner or shell holding a model would show as our peak)."""
+The readings come from megatron.training.host_memory (/proc, not getrusage: see there)."""
 
 import ctypes
 
-
-def resident_bytes(field):
-    """VmRSS (now) or VmHWM (the peak of this process image), or None where /proc does not tell."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024  # given in kB
-    except OSError:
-        pass
-    return None
+from megatron.training.host_memory import resident_bytes
 
 
 def peak_line(before):
