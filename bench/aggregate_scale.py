@@ -109,7 +109,10 @@ def replicated_directory(source, directory, ranks):
 def measure(directory):
     """One size, in this process, as tools/aggregate.py runs it (the garbage collector paused): seconds of each
     step and the peak RSS (the interpreter's own included; this process image's, not the simulating parent's)."""
-    baseline_mb = resident_bytes("VmRSS") / 2**20
+    baseline = resident_bytes("VmRSS")
+    if baseline is None:
+        raise SystemExit("bench/aggregate_scale.py: no /proc/self/status to read memory from; run it on Linux")
+    baseline_mb = baseline / 2**20
     output = os.path.join(directory, "benchmark.json")
     with cycle_collection_paused():
         started = time.perf_counter()

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from megatron.training.host_memory import resident_bytes
+
 
 def print_whole_line(message):
     """One line from any rank, in one write: ranks share their launcher's stdout, and print() writes the text and
@@ -35,10 +37,13 @@ def print_last_rank(message):
 
 
 def peak_memory(device):
-    """(log-line label, TensorBoard tag, bytes) of this process's peak memory so far."""
+    """(log-line label, TensorBoard tag, bytes) of this process's peak memory so far. On the host, this process
+    image's peak (host_memory.py); getrusage's only where /proc does not tell (not Linux), since an exec'd rank
+    inherits that one from whatever forked its launcher (a test runner holding a model, say)."""
     if device == "cuda":
         return "peak memory (MB)", "mem-max-allocated-bytes", torch.cuda.max_memory_allocated()
-    return "peak host RSS (MB)", "peak-host-rss-bytes", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = resident_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return "peak host RSS (MB)", "peak-host-rss-bytes", peak
 
 
 def perplexity(loss):
