@@ -13,7 +13,8 @@ Tensor parallelism issues about a hundred collectives per microbatch of a 24-lay
 each way, more with sequence parallelism), and recording one costs the host 10-20 us on a GPU
 (docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the last
 ``--trace-tp-microbatches`` microbatches of each iteration (and those outside microbatches) are recorded;
-the rest are only counted, which keeps every recorded one's sequence number equal to its peers'. The last,
+the rest pass almost untouched and are counted from the process group's own sequence number
+(counted_collectives.py), which keeps every recorded one's sequence number equal to its peers'. The last,
 not the first: an iteration starts with its GPU idle, so the host's launches pace the first microbatch's
 forward, and whatever recording adds to the host there adds to the step; by the last microbatch the host
 runs ahead of its GPU (70-80 ms in GPT 1.3B at TP2 + SP on four H200s) and recording there uses slack.
@@ -21,11 +22,15 @@ Where a slow TP peer makes the other wait shows in the recorded ones; detection 
 spans unrecorded ones.
 """
 
+import time
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from torch.distributed import ProcessGroup
+
+from megascan.counted_collectives import CountedCollectives
 
 # Methods whose first argument holds the input tensors; the rest take (outputs, inputs, ...).
 _INPUT_FIRST = {"allreduce", "allreduce_coalesced", "broadcast", "reduce", "send", "recv", "barrier"}
@@ -96,22 +101,23 @@ class CommTracer:
         self.recorder = recorder
         self.world = world  # traced_world.TracedWorld: where this world's groups sit in the run; None: as they are
         self.tp_microbatches = tp_microbatches  # record the TP collectives of this many last microbatches; 0: all
-        self.first_recorded = 0  # the first microbatch whose TP collectives are recorded, set per iteration
         self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
         self.roles = {}
+        self.tp_group = None  # the TP group, where some of its collectives are only counted
 
     def install(self):
-        if self.tp_microbatches:  # per traced iteration: a batch-size ramp-up changes the number of microbatches
-            self.first_recorded = max(get_num_microbatches() - self.tp_microbatches, 0)
         if not self.roles:
             self.roles = {id(dist.group.WORLD): "world"}
             for role, getter in reversed(_GROUP_ROLES):  # reversed: the first role of a shared group wins
                 group = _group_or_none(getter)
                 if group is not None:
                     self.roles[id(group)] = role
-        wrappers = {name: self._traced(name, getattr(ProcessGroup, name))
+            if self.tp_microbatches:
+                self.tp_group = _group_or_none(parallel_state.get_tensor_model_parallel_group)
+        counted = self._start_counting()
+        wrappers = {name: self._traced(name, getattr(ProcessGroup, name), counted)
                     for name in COLLECTIVE_METHODS + P2P_METHODS if hasattr(ProcessGroup, name)}
         wrappers["_start_coalescing"] = self._start_coalescing(ProcessGroup._start_coalescing)
         wrappers["_end_coalescing"] = self._end_coalescing(ProcessGroup._end_coalescing)
@@ -121,7 +127,30 @@ class CommTracer:
             self.originals[name] = ProcessGroup.__dict__.get(name)
             setattr(ProcessGroup, name, wrapper)
 
+    def _start_counting(self):
+        """The window's CountedCollectives, started for this iteration, or None where all are recorded."""
+        if self.tp_group is None:
+            return None
+        recorder = self.recorder
+        counted = recorder.counted
+        if counted is None:
+            counted = recorder.counted = CountedCollectives.of(recorder, self.tp_group, self._known(self.tp_group)[1])
+            if counted is None:  # its backend numbers nothing: record them all from now on
+                self.tp_group = None
+                return None
+        else:
+            counted.restart()
+        context = recorder.context
+        # per traced iteration: a batch-size ramp-up changes the number of microbatches
+        context.first_recorded = max(get_num_microbatches() - self.tp_microbatches, 0)
+        context.on_counting = counted.moved
+        return counted
+
     def uninstall(self):
+        context = self.recorder.context
+        if context.counting:
+            self.recorder.counted.fold()
+        context.first_recorded, context.counting, context.on_counting = 0, False, None
         for name, original in self.originals.items():
             if original is None:
                 delattr(ProcessGroup, name)
@@ -147,23 +176,21 @@ class CommTracer:
             window_groups[name] = {"ranks": ranks, "role": role}
         return name, ranks
 
-    def _unrecorded(self, group):
-        """The name of ``group`` if this op of it is only counted (module docstring), else None."""
-        known = self._known(group)
-        if known[3] != "tp":
-            return None
-        microbatch = self.recorder.context.microbatch
-        return known[1] if microbatch is not None and microbatch < self.first_recorded else None
-
-    def _traced(self, method, original):
+    def _traced(self, method, original, counted):
         recorder = self.recorder
+        context = recorder.context
         kind = method if method in P2P_METHODS else "collective"
-        sampled = kind == "collective" and self.tp_microbatches > 0
+        # The fast path (counted_collectives.py): as little as can be, since hundreds pass per microbatch.
+        counted_id = id(counted.group) if counted is not None and kind == "collective" else None
+        clock = time.time_ns
 
         def traced(group, *args, **kwargs):
-            if sampled and (unrecorded := self._unrecorded(group)) is not None:
-                recorder.skip_collective(method, unrecorded)
-                return original(group, *args, **kwargs)
+            if context.counting:
+                if id(group) == counted_id:
+                    counted.latest = (method, context.iteration, context.microbatch, context.chunk, context.phase,
+                                      clock())
+                    return original(group, *args, **kwargs)
+                counted.fold()  # recorded among counted ones: its sequence counters and unrecorded_before are due
             name, ranks = self._group(group)
             nbytes, dtype = size_and_dtype(method, args)
             if kind == "collective":
@@ -184,14 +211,14 @@ class CommTracer:
 
     def _start_coalescing(self, original):
         def start(group, *args, **kwargs):
-            self.coalescing[group.group_name] = []
+            self.coalescing[self._known(group)[1]] = []  # the name its ops are recorded under
             return original(group, *args, **kwargs)
 
         return start
 
     def _end_coalescing(self, original):
         def end(group, *args, **kwargs):
-            records = self.coalescing.pop(group.group_name, [])
+            records = self.coalescing.pop(self._known(group)[1], [])
             work = original(group, *args, **kwargs)
             return TracedWork(work, records, self.recorder) if work is not None and records else work
 

@@ -12,14 +12,22 @@ import time
 class TraceContext:
     """Where the training thread is; ops and events are labelled with it."""
 
-    __slots__ = ("iteration", "phase", "microbatch", "chunk", "transfer")
+    __slots__ = ("iteration", "phase", "microbatch", "chunk", "transfer", "first_recorded", "counting", "on_counting")
 
     def __init__(self):
         self.iteration = None
+        # Microbatches before ``first_recorded`` only count their TP collectives (counted_collectives.py): while the
+        # thread is in one, ``counting`` is True, and ``on_counting`` hears each change before the context moves.
+        self.first_recorded, self.counting, self.on_counting = 0, False, None
         self.set_phase("iteration")
         self.transfer = None  # the pipeline transfer in progress, e.g. "forward-send"
 
     def set_phase(self, phase, microbatch=None, chunk=None):
+        counting = microbatch is not None and microbatch < self.first_recorded
+        if counting != self.counting:
+            self.counting = counting
+            if self.on_counting is not None:
+                self.on_counting(counting)
         self.phase, self.microbatch, self.chunk = phase, microbatch, chunk
 
 
@@ -54,12 +62,10 @@ class Recorder:
         self.context = TraceContext()
         self.window = None
         self.counters = {}
-        # Ops passed unrecorded (skip_collective) since this iteration's latest finish, where the own work before the
-        # next arrival is measured from: that work then holds waits nobody measured.
+        # Ops passed unrecorded (skip_collectives) since this iteration's latest finish, where the own work before
+        # the next arrival is measured from: that work then holds waits nobody measured.
         self.unrecorded = 0
-        # The open window's latest, as a tuple (hundreds are skipped per iteration: a dict each would cost more);
-        # last_unrecorded_fields makes it an op when a stall report needs one.
-        self.last_unrecorded = None
+        self.counted = None  # the open window's CountedCollectives, which knows the latest passed one
 
     def begin_iteration(self, iteration):
         self.context.iteration = iteration
@@ -68,7 +74,7 @@ class Recorder:
 
     def open_window(self, index, iterations):
         self.window = TraceWindow(index, iterations, self.timer.mark())
-        self.last_unrecorded = None
+        self.counted = None
 
     def close_window(self):
         window, self.window = self.window, None
@@ -101,26 +107,16 @@ class Recorder:
         record.start = self.timer.mark() if start is None else start
         return record
 
-    def skip_collective(self, op, group):
-        """Count a collective that is not recorded: its sequence number goes by, so that the next recorded one
-        matches its peers' (they skip the same ones). The records issued before the next finish say how many
-        were skipped since the last one."""
-        seq = self.counters.get(group, 0)
-        self.counters[group] = seq + 1
-        self.unrecorded += 1
-        ctx = self.context
-        self.last_unrecorded = (op, group, seq, ctx.iteration, ctx.microbatch, ctx.chunk, ctx.phase,
-                                time.time_ns() / 1000.0)
+    def skip_collectives(self, group, count):
+        """Count collectives of ``group`` that were not recorded: their sequence numbers go by, so that the next
+        recorded one matches its peers' (they skip the same ones). The records issued before the next finish
+        say that some were skipped since the last one."""
+        self.counters[group] = self.counters.get(group, 0) + count
+        self.unrecorded += count
 
     def last_unrecorded_fields(self):
-        """The open window's latest skipped collective as an ``issued`` line's op (it was entered: a rank blocked in
-        it says so), or None."""
-        if self.last_unrecorded is None:
-            return None
-        op, group, seq, iteration, microbatch, chunk, phase, host_us = self.last_unrecorded
-        return {"op": op, "kind": "collective", "group": group, "seq": seq, "peer": None, "bytes": None,
-                "dtype": None, "iteration": iteration, "microbatch": microbatch, "chunk": chunk, "phase": phase,
-                "host_us": round(host_us, 1), "unrecorded": True}
+        """The open window's latest skipped collective as an ``issued`` line's op, or None."""
+        return None if self.counted is None else self.counted.latest_fields()
 
     def end_ops(self, records, end=None):
         """Mark the end of records whose work the rank waited for (only while their window is open);

@@ -102,8 +102,10 @@ def test_healthy_run_names_nobody_and_aggregates_completely(gpt_data, tmp_path):
     assert starts and starts == {e["id"] for e in events if e.get("ph") == "f"}
 
 
-@pytest.mark.parametrize("iteration", [3, 6])  # in the first trace window (nothing to align on), the second
-def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
+# In the first trace window (nothing to align on), the second; and in a microbatch whose TP collectives are only
+# counted (GPUs' default), where rank 0 blocks in one that only its issued line names.
+@pytest.mark.parametrize("iteration, tp_microbatches", [(3, "0"), (6, "0"), (6, "1")])
+def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration, tp_microbatches):
     """Rank 1 freezes inside a trace window; its peers block, their writers report what they issued
     and write PyTorch's flight recorder (on through TORCH_FR_BUFFER_SIZE), the job is killed, and the
     partial traces name rank 1; so does the flight recorder, a second witness: rank 1 left no dump (gloo
@@ -112,6 +114,7 @@ def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
     trace = tmp_path / "trace"
     args = (TINY_GPT + gpt_data_args(gpt_data) + flags +
             ["--train-iters", "6", "--trace", "--trace-dir", str(trace), "--trace-interval", "3",
+             "--trace-tp-microbatches", tp_microbatches,
              "--inject-hang-rank", "1", "--inject-hang-iteration", str(iteration)])
     job = subprocess.Popen(torchrun_command(processes, "pretrain_gpt.py", args), cwd=REPO,
                            env=child_env({"TORCH_FR_BUFFER_SIZE": "256"}),
@@ -128,6 +131,11 @@ def test_stopped_rank_is_reported_as_hung(gpt_data, tmp_path, iteration):
         job.wait()
     survivors = running_with_argument(str(trace))  # every rank has the directory in its flags
     assert survivors == [], f"processes of the killed job still running: {survivors}"
+    if tp_microbatches == "1":  # rank 1's TP peer blocks in a counted collective of the first microbatch
+        issued = [json.loads(line) for line in (trace / "benchmark-data-0-pipeline-0-tensor-0.json").open()
+                  if '"type":"issued"' in line]
+        assert [(op["microbatch"], op["iteration"]) for op in issued[-1]["ops"] if op.get("unrecorded")] == [
+            (0, iteration)], issued
     report = detect(load_and_merge(trace))
     assert [(s.rank, s.kind) for s in report.suspects] == [(1, "hang")], report.to_text()
     assert "never reached" in report.suspects[0].evidence[0]
