@@ -22,10 +22,10 @@ def add_arguments(parser):
                        help="base: iterations, microbatches, optimizer, communication; "
                             "full: also every layer's attention and MLP")
     group.add_argument("--trace-tp-microbatches", type=int, default=None, metavar="N",
-                       help="record the tensor-parallel collectives of the last N microbatches of each traced "
-                            "iteration and count the rest (each recorded one costs the host 10-20 us on a GPU, and "
-                            "TP issues about a hundred per microbatch); 0: record all; default: 1 with --device "
-                            "cuda, 0 on CPU")
+                       help="record the tensor-parallel collectives of the forward passes of the last N "
+                            "microbatches of each traced iteration and count the rest (each recorded one costs the "
+                            "host 10-20 us on a GPU, and TP issues about a hundred per microbatch); 0: record all; "
+                            "default: 1 with --device cuda, 0 on CPU")
     group.add_argument("--trace-detect", action="store_true",
                        help="judge each trace window while training runs: rank 0 prints 'MegaScan alert: ...' "
                             "naming a slow or hung rank and why")

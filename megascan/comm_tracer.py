@@ -10,16 +10,18 @@ back the Work wrapped so that the rank's ``wait()`` marks the end. Ops issued in
 batch (``_start_coalescing`` .. ``_end_coalescing``, how NCCL batches p2p) end with the batch's Work.
 
 Tensor parallelism issues about a hundred collectives per microbatch of a 24-layer model (two per layer
-each way, more with sequence parallelism), and recording one costs the host 10-20 us on a GPU
-(docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the last
-``--trace-tp-microbatches`` microbatches of each iteration (and those outside microbatches) are recorded;
-the rest pass almost untouched and are counted from the process group's own sequence number
-(counted_collectives.py), which keeps every recorded one's sequence number equal to its peers'. The last,
-not the first: an iteration starts with its GPU idle, so the host's launches pace the first microbatch's
-forward, and whatever recording adds to the host there adds to the step; by the last microbatch the host
-runs ahead of its GPU (70-80 ms in GPT 1.3B at TP2 + SP on four H200s) and recording there uses slack.
-Where a slow TP peer makes the other wait shows in the recorded ones; detection leaves out the own work that
-spans unrecorded ones.
+each way, ten with sequence parallelism), and recording one costs the host 10-20 us on a GPU
+(docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the forward
+passes of the last ``--trace-tp-microbatches`` microbatches of each iteration (and those outside
+microbatches) are recorded; the rest pass almost untouched and are counted from the process group's own
+sequence number (counted_collectives.py), which keeps every recorded one's sequence number equal to its
+peers'. The last, not the first: an iteration starts with its GPU idle, so the host's launches pace the
+first microbatch's forward, and whatever recording adds to the host there adds to the step; by the last
+microbatch the host runs ahead of its GPU (70-80 ms in GPT 1.3B at TP2 + SP on four H200s) and recording
+there uses slack. The forward only: with sequence parallelism a layer's backward issues six of its ten, and
+a slow TP peer makes the other wait in the forward as much. Where it does shows in the recorded ones;
+detection compares only the passes whose waits were recorded, and leaves out the own work that spans
+unrecorded ones.
 """
 
 import time
@@ -68,8 +70,9 @@ _DTYPE_NAMES = {}  # torch.bfloat16 -> "bfloat16"
 
 def size_and_dtype(method, args):
     inputs = args[0] if method in _INPUT_FIRST else (args[1] if len(args) > 1 else ())
-    tensors = list(_tensors(inputs))
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    # one tensor: most of tensor parallelism's collectives, which a TP rank issues by the hundred
+    tensors = (inputs,) if isinstance(inputs, torch.Tensor) else list(_tensors(inputs))
+    nbytes = sum(t.nbytes for t in tensors)
     if not tensors:
         return nbytes, None
     dtype = tensors[0].dtype
@@ -100,7 +103,8 @@ class CommTracer:
     def __init__(self, recorder, world=None, tp_microbatches=0):
         self.recorder = recorder
         self.world = world  # traced_world.TracedWorld: where this world's groups sit in the run; None: as they are
-        self.tp_microbatches = tp_microbatches  # record the TP collectives of this many last microbatches; 0: all
+        # record the TP collectives of the forward passes of this many last microbatches; 0: all
+        self.tp_microbatches = tp_microbatches
         self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
@@ -143,14 +147,14 @@ class CommTracer:
         context = recorder.context
         # per traced iteration: a batch-size ramp-up changes the number of microbatches
         context.first_recorded = max(get_num_microbatches() - self.tp_microbatches, 0)
-        context.on_counting = counted.moved
+        context.backward_counted, context.on_counting = True, counted.moved
         return counted
 
     def uninstall(self):
         context = self.recorder.context
         if context.counting:
             self.recorder.counted.fold()
-        context.first_recorded, context.counting, context.on_counting = 0, False, None
+        context.first_recorded, context.backward_counted, context.counting, context.on_counting = 0, False, False, None
         for name, original in self.originals.items():
             if original is None:
                 delattr(ProcessGroup, name)

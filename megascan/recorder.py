@@ -12,18 +12,21 @@ import time
 class TraceContext:
     """Where the training thread is; ops and events are labelled with it."""
 
-    __slots__ = ("iteration", "phase", "microbatch", "chunk", "transfer", "first_recorded", "counting", "on_counting")
+    __slots__ = ("iteration", "phase", "microbatch", "chunk", "transfer", "first_recorded", "backward_counted",
+                 "counting", "on_counting")
 
     def __init__(self):
         self.iteration = None
-        # Microbatches before ``first_recorded`` only count their TP collectives (counted_collectives.py): while the
-        # thread is in one, ``counting`` is True, and ``on_counting`` hears each change before the context moves.
-        self.first_recorded, self.counting, self.on_counting = 0, False, None
+        # Microbatches before ``first_recorded``, and every microbatch's backward where ``backward_counted``, only
+        # count their TP collectives (counted_collectives.py): while the thread is in one of those, ``counting`` is
+        # True, and ``on_counting`` hears each change before the context moves.
+        self.first_recorded, self.backward_counted, self.counting, self.on_counting = 0, False, False, None
         self.set_phase("iteration")
         self.transfer = None  # the pipeline transfer in progress, e.g. "forward-send"
 
     def set_phase(self, phase, microbatch=None, chunk=None):
-        counting = microbatch is not None and microbatch < self.first_recorded
+        counting = microbatch is not None and (microbatch < self.first_recorded
+                                               or (self.backward_counted and phase == "backward"))
         if counting != self.counting:
             self.counting = counting
             if self.on_counting is not None:

@@ -103,6 +103,7 @@ class TraceSession:
             "device_name": torch.cuda.get_device_name(device_index) if on_gpu else "cpu",
             "timer": self.recorder.timer.source, "granularity": args.trace_granularity,
             "tp_microbatches_recorded": self.tp_microbatches, "tp_microbatches_recorded_are": "last",
+            "tp_backward_recorded": not self.tp_microbatches,
             "trace_interval": self.interval, "continuous_trace_iterations": self.continuous,
             "train_iters": args.train_iters}
 

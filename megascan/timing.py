@@ -4,7 +4,10 @@
 on the current stream, on CPU it reads the host's monotonic clock (a GPU window also takes such host
 readings, from transports that report their transfers). ``WindowClock`` turns the marks
 of one trace window into microseconds on this host's wall clock; it runs on the writer thread,
-after the window, where waiting for an event blocks nobody but the writer.
+after the window, where waiting for an event blocks nobody but the writer: ``Event.synchronize()`` gives
+up the GIL while it waits. (Polling ``query()`` instead took the GIL back every few hundred microseconds
+for as long as the GPU was still running the window's last iteration, and each time the training thread
+that held it was made to hand it over.)
 """
 
 import collections
@@ -85,7 +88,7 @@ class CudaWindowClock:
         self.timer = timer
         self.base = base_mark
         self.used = {id(base_mark): base_mark}
-        _wait_for(base_mark)
+        base_mark.synchronize()
         stream = torch.cuda.Stream(device=timer.device_index)
         best = None
         for _ in range(self.ANCHOR_TRIES):
@@ -106,19 +109,13 @@ class CudaWindowClock:
         if isinstance(mark, int):  # a host clock reading (a transfer from the sink: transfer_recorder.py)
             return self.host.to_wall_us(mark)
         self.used[id(mark)] = mark
-        _wait_for(mark)
+        mark.synchronize()
         return self.anchor_wall_us + self.base.elapsed_time(mark) * 1000.0 - self.anchor_gpu_us
 
     def release(self):
         """Give this window's events back to the pool (each once, however many records shared it)."""
         self.timer.pool.extend(self.used.values())
         self.used = {}
-
-
-def _wait_for(event):
-    """Wait for a recorded event by polling: the training thread keeps the GIL meanwhile."""
-    while not event.query():
-        time.sleep(0.0002)
 
 
 def make_timer(args):

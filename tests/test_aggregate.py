@@ -20,7 +20,7 @@ from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_records import ComputeEvent
 from megascan.detection import detect
-from megascan.detection.compute import operation_totals, tp_waits_known
+from megascan.detection.compute import KnownTpWaits, operation_totals, tp_waits_known
 from megascan.simulation.synthetic_traces import op_key, read_lines, write_lines, write_run
 
 # DP2 x PP2 x TP2, 4 layers, 4 microbatches, windows (4, 5) and (9, 10). Per iteration: 4 TP all-reduces
@@ -489,18 +489,23 @@ def test_a_rank_with_nothing_to_show_leaves_the_chrome_trace_valid(tmp_path):
     assert any("(rank 0)" in name for name in tracks) and any("(rank 2)" in name for name in tracks)
 
 
-def test_compute_compares_only_the_microbatches_whose_tp_waits_were_recorded():
-    """--trace-tp-microbatches N records the last N microbatches' TP collectives (the first N in traces written
-    before tp_microbatches_recorded_are): the compute comparison keeps those and the events outside microbatches."""
+def test_compute_compares_only_the_passes_whose_tp_waits_were_recorded():
+    """--trace-tp-microbatches N records the forward passes of the last N microbatches' TP collectives (the first N
+    in traces written before tp_microbatches_recorded_are, their backward passes too in traces written before
+    tp_backward_recorded): the compute comparison keeps those and the events outside microbatches."""
     layout = {"num_microbatches": 4}
     assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 0}) is None
-    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1,
-                           "tp_microbatches_recorded_are": "last"}) == range(3, 4)
-    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1}) == range(1)
-    # Microbatch 3's forward spans a recorded 40 us TP wait: its own compute is 60 us; microbatch 0's is unknown.
-    events = [ComputeEvent({"name": "forward", "microbatch": microbatch, "chunk": 0})
-              for microbatch in (0, 3)]
-    for event, start in zip(events, (0.0, 1000.0)):
+    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1, "tp_microbatches_recorded_are": "last",
+                           "tp_backward_recorded": False}) == KnownTpWaits(range(3, 4), backward=False)
+    assert tp_waits_known({"layout": layout, "tp_microbatches_recorded": 1}) == KnownTpWaits(range(1), backward=True)
+    # Microbatch 3's forward spans a recorded 40 us TP wait: its own compute is 60 us; microbatch 0's is unknown,
+    # and so is microbatch 3's backward where only forwards were recorded.
+    events = [ComputeEvent({"name": name, "microbatch": microbatch, "chunk": 0})
+              for name, microbatch in (("forward", 0), ("forward", 3), ("backward", 3))]
+    for event, start in zip(events, (0.0, 1000.0, 2000.0)):
         event.start, event.end = start, start + 100.0
-    totals = operation_totals(events, [(1020.0, 1060.0)], "training", 0, False, range(3, 4))
-    assert totals == {("training", "forward", 0, 0): [60.0, 1]}
+    waits = [(1020.0, 1060.0)]
+    forwards_known = operation_totals(events, waits, "training", 0, False, KnownTpWaits(range(3, 4), False))
+    assert forwards_known == {("training", "forward", 0, 0): [60.0, 1]}
+    both_known = operation_totals(events, waits, "training", 0, False, KnownTpWaits(range(3, 4), True))
+    assert both_known == {("training", "forward", 0, 0): [60.0, 1], ("training", "backward", 0, 0): [100.0, 1]}

@@ -44,11 +44,14 @@ def test_tp2_pp2_virtual_pipeline_trace_files_and_unchanged_losses(gpt_data, tmp
             tp_allreduces = [op for op in window["ops"] if op["op"] == "allreduce"
                              and window["groups"][op["group"]]["role"] == "tp"]
             assert tp_allreduces and all(op["bytes"] > 0 and op["dtype"] == "float32" for op in tp_allreduces)
-            # --trace-tp-microbatches 1 (the GPU default): the last microbatch's TP collectives and those outside them
+            # --trace-tp-microbatches 1 (the GPU default): the TP collectives of the last microbatch's forward
+            # passes (and loss) and those outside microbatches
             last = metadata["layout"]["num_microbatches"] - 1
-            assert last > 0 and {op["microbatch"] for op in tp_allreduces} <= {last, None}
+            in_microbatches = {(op["microbatch"], op["phase"]) for op in tp_allreduces if op["microbatch"] is not None}
+            assert last > 0 and (last, "forward") in in_microbatches <= {(last, "forward"), (last, "loss")}
             assert any(op["unrecorded_before"] > 0 for op in window["ops"])
-        assert (metadata["tp_microbatches_recorded"], metadata["tp_microbatches_recorded_are"]) == (1, "last")
+        assert (metadata["tp_microbatches_recorded"], metadata["tp_microbatches_recorded_are"],
+                metadata["tp_backward_recorded"]) == (1, "last", False)
     # The skipped ones are counted: each recorded TP collective has the same sequence number on both peers.
     for pp in (0, 1):
         peers = [read_trace_file(tmp_path / f"trace/benchmark-data-0-pipeline-{pp}-tensor-{tp}.json") for tp in (0, 1)]
@@ -89,7 +92,7 @@ def test_trace_window_at_the_end_of_training_is_kept(gpt_data, tmp_path):
     assert (last["iterations"], last["complete"]) == ([5], False)
     assert not any(e["name"].startswith(("attention", "mlp")) for e in first["events"])
     # On CPU, by default, every microbatch's TP collectives are recorded, none skipped
-    assert metadata["tp_microbatches_recorded"] == 0
+    assert (metadata["tp_microbatches_recorded"], metadata["tp_backward_recorded"]) == (0, True)
     tp_ops = [op for op in first["ops"] if first["groups"][op["group"]]["role"] == "tp"]
     assert {op["microbatch"] for op in tp_ops} >= {0, 1}
     assert not any(op["unrecorded_before"] for op in first["ops"])

@@ -86,6 +86,25 @@ def test_a_stall_after_the_fold_names_the_folded_number():
     assert (fields["op"], fields["seq"], fields["microbatch"]) == ("_allgather_base", 2, 0)
 
 
+def test_backward_passes_are_counted_in_every_microbatch_where_asked():
+    context = Recorder(HostTimer()).context
+    heard = []
+    context.first_recorded, context.on_counting = 1, heard.append
+    steps = (("forward", 0), ("forward", 1), ("loss", 1), ("backward", 1), ("iteration", None), ("backward", 0))
+
+    def counting_along(steps):
+        states = []
+        for phase, microbatch in steps:
+            context.set_phase(phase, microbatch)
+            states.append(context.counting)
+        return states
+
+    assert counting_along(steps) == [True, False, False, False, False, True]
+    context.backward_counted = True
+    assert counting_along(steps) == [True, False, False, True, False, True]
+    assert heard == [True, False, True, False, True, False, True]  # each change, once
+
+
 def test_a_backend_without_sequence_numbers_is_not_counted():
     numberless = FakeProcessGroup._create_internal(0, 2)  # PyTorch's own "fake" backend keeps none
     assert CountedCollectives.of(Recorder(HostTimer()), numberless, "tp0") is None

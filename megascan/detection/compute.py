@@ -8,13 +8,14 @@ stage and chunk. Time spent waiting in tensor-parallel collectives inside an eve
 another job is not slower at every kernel: it loses whole time slices now and then, so the
 comparison is of total time, not of the typical sample. A rank's ratio is its own compute over
 what the other ranks typically take for the same operations (the median of their means). Where only
-some microbatches' TP collectives were recorded (``--trace-tp-microbatches``), only those
-microbatches' events are compared: the others' waits are unknown.
+some microbatches' TP collectives were recorded (``--trace-tp-microbatches``: their forward passes), only
+those microbatches' (forward) events are compared: the others' waits are unknown.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -24,6 +25,7 @@ from megascan.detection.robust import medians_of_others
 
 LAYER_EVENTS = ("attention-forward", "attention-backward", "mlp-forward", "mlp-backward")
 MICROBATCH_EVENTS = ("forward", "backward")
+BACKWARD_EVENTS = ("backward", "attention-backward", "mlp-backward")
 
 
 def _tp_waits(intervals):
@@ -75,29 +77,43 @@ def _operation_key(event, kind, stage):
 OperationTotals = dict[tuple, list]
 
 
-def tp_waits_known(metadata: dict) -> range | None:
-    """The microbatches whose TP collectives a rank recorded (session metadata: ``tp_microbatches_recorded`` 0
-    where its world has no tensor parallelism or all were recorded; the last ones, or the first in traces written
-    before ``tp_microbatches_recorded_are`` was added), or None: all known."""
+@dataclass(frozen=True)
+class KnownTpWaits:
+    """Where a rank recorded its TP collectives: in these microbatches, in their backward passes too or not."""
+
+    microbatches: range
+    backward: bool
+
+    def cover(self, event: ComputeEvent) -> bool:
+        """Whether every TP wait inside the event is known (events outside microbatches: always)."""
+        return event.microbatch is None or (event.microbatch in self.microbatches
+                                            and (self.backward or event.name not in BACKWARD_EVENTS))
+
+
+def tp_waits_known(metadata: dict) -> KnownTpWaits | None:
+    """Where a rank recorded its TP collectives (session metadata: ``tp_microbatches_recorded`` 0 where its world
+    has no tensor parallelism or all were recorded; the last ones, or the first in traces written before
+    ``tp_microbatches_recorded_are`` was added; their backward passes too in traces written before
+    ``tp_backward_recorded`` was added), or None: all known."""
     count = metadata.get("tp_microbatches_recorded")
     if not count:
         return None
+    backward = metadata.get("tp_backward_recorded", True)
     if metadata.get("tp_microbatches_recorded_are") == "last":
         total = metadata["layout"]["num_microbatches"]
-        return range(max(total - count, 0), total)
-    return range(count)
+        return KnownTpWaits(range(max(total - count, 0), total), backward)
+    return KnownTpWaits(range(count), backward)
 
 
 def operation_totals(events: list[ComputeEvent], tp_waits: list[tuple[float, float]], kind: str, stage: int,
-                     layers_traced: bool, known: range | None = None) -> OperationTotals:
+                     layers_traced: bool, known: KnownTpWaits | None = None) -> OperationTotals:
     """{operation key: [own compute in total (us), samples]} of one rank, from its events (their start and end
     set) and its TP collectives' (start, end) intervals, all on one clock.
-    With ``layers_traced``, only the layers: the finer, uniform comparison. ``known``: only the events of these
-    microbatches and those outside microbatches (tp_waits_known). A window's totals are what online detection
-    gathers from each rank instead of its events."""
+    With ``layers_traced``, only the layers: the finer, uniform comparison. ``known``: only the events it covers
+    (tp_waits_known). A window's totals are what online detection gathers from each rank instead of its events."""
     chosen = [(key, e) for e in events if (key := _operation_key(e, kind, stage)) is not None
               and not (layers_traced and e.name in MICROBATCH_EVENTS)
-              and (known is None or e.microbatch is None or e.microbatch in known)]
+              and (known is None or known.cover(e))]
     if not chosen:
         return {}
     own = _own_compute(np.array([e.start for _, e in chosen], dtype=np.float64),
