@@ -24,10 +24,12 @@ from megascan.aggregate import load_and_merge
 from megascan.detection import detect
 from megascan.online_detection import ALERT_PREFIX
 
-SLOW = {  # name: (layout, slowed rank): a TP peer, a DP replica, a pipeline stage
-    "tp peer": ("TP2xPP2", 1),
-    "dp replica": ("DP2xTP2", 2),
-    "pp stage": ("DP2xPP2", 3),
+SLOW = {  # name: (layout, slowed rank, flags): a TP peer, a DP replica, a pipeline stage
+    "tp peer": ("TP2xPP2", 1, []),
+    # as on GPUs: only the last microbatch's forward records its TP collectives, the rest are counted
+    "tp peer, last forward recorded": ("TP2xPP2", 1, ["--trace-tp-microbatches", "1"]),
+    "dp replica": ("DP2xTP2", 2, []),
+    "pp stage": ("DP2xPP2", 3, []),
 }
 
 
@@ -38,9 +40,9 @@ def _alerts(output):
 @pytest.mark.parametrize("name", SLOW)
 def test_slowed_rank_is_named_first_and_alone(gpt_data, tmp_path, name):
     """Offline, and online: the alert of the first trace window (iterations 2-3) already names it."""
-    layout, rank = SLOW[name]
+    layout, rank, flags = SLOW[name]
     result = traced_run(gpt_data, tmp_path, layout, extra=["--inject-slowdown-rank", str(rank),
-                                                           "--inject-slowdown-factor", "8", "--trace-detect"])
+                                                           "--inject-slowdown-factor", "8", "--trace-detect", *flags])
     report = detect(load_and_merge(tmp_path))
     assert [s.rank for s in report.suspects] == [rank], report.to_text()
     assert report.suspects[0].kind == "slow_rank"
