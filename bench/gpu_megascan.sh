@@ -5,7 +5,7 @@
 #     on more GPUs the rest is data parallel: with NPROC=4, "dp" is DP4, "tp2_sp" TP2 x DP2 with sequence
 #     parallelism, "pp2" PP2 x DP2),
 #     ROUNDS rounds each (10), each layout's job stopped after LAYOUT_TIMEOUT seconds (300), with the flags
-#     in EXTRA added (e.g. "--manual-gc") and TAG appended to the names of its outputs;
+#     in EXTRA added (e.g. "--manual-gc", or "--bench-modes off,base") and TAG appended to the names of its outputs;
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
 # Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with

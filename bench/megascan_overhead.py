@@ -20,7 +20,7 @@ takes it out).
 
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
-        [--bench-rounds 10] [--bench-json out.json]
+        [--bench-rounds 10] [--bench-json out.json] [--bench-modes off,base]
 """
 
 import gc
@@ -45,6 +45,9 @@ def _bench_args(parser):
     group = parser.add_argument_group("benchmark")
     group.add_argument("--bench-rounds", type=int, default=10, help="intervals per mode")
     group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
+    group.add_argument("--bench-modes", default=",".join(MODES),
+                       help="the modes to rotate, 'off' and one or both of the others (fewer modes: more rounds of "
+                            "each in the same time)")
 
 
 class CollectorPauses:
@@ -182,12 +185,20 @@ _POOLED = {"median": statistics.median, "lower decile": _lower_decile}
 def _collector_by_rank(runs):
     """{mode: {"gc_ms", "full_collections"}: per interval, each rank's mean over rounds, ranks in order}: the
     rank that collects sets everyone's step in a synchronous job."""
-    own = {mode: [statistics.mean(r[key] for r in runs[mode]) for key in ("gc_ms", "full_collections")]
-           for mode in MODES}
+    own = {mode: [statistics.mean(r[key] for r in rounds) for key in ("gc_ms", "full_collections")]
+           for mode, rounds in runs.items()}
     gathered = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(gathered, own)
     return {mode: {"gc_ms": [rank[mode][0] for rank in gathered],
-                   "full_collections": [rank[mode][1] for rank in gathered]} for mode in MODES}
+                   "full_collections": [rank[mode][1] for rank in gathered]} for mode in runs}
+
+
+def _modes(text):
+    """--bench-modes as a tuple in MODES' order, or None where it is not 'off' and one or both of the others."""
+    chosen = set(text.split(","))
+    if "off" not in chosen or len(chosen) < 2 or not chosen <= set(MODES):
+        return None
+    return tuple(mode for mode in MODES if mode in chosen)
 
 
 def _collector_summary(collector):
@@ -202,15 +213,19 @@ def main():
     args = job.args
     if not args.trace:
         sys.exit("bench/megascan_overhead.py: error: run with --trace (the modes switch it off and on)")
+    modes = _modes(args.bench_modes)
+    if modes is None:
+        sys.exit(f"bench/megascan_overhead.py: error: --bench-modes {args.bench_modes!r}: give 'off' and one or both "
+                 f"of 'base' and 'full', comma-separated")
     runner = IntervalRunner(job)
-    for mode in MODES:  # warm-up: allocator, communicators, the writer's first window
+    for mode in modes:  # warm-up: allocator, communicators, the writer's first window
         runner.run(mode)
-    runs = {mode: [] for mode in MODES}
+    runs = {mode: [] for mode in modes}
     for round_index in range(args.bench_rounds):
-        shift = round_index % len(MODES)
-        for mode in MODES[shift:] + MODES[:shift]:
+        shift = round_index % len(modes)
+        for mode in modes[shift:] + modes[:shift]:
             runs[mode].append(runner.run(mode))
-    totals = {mode: [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in runs[mode]] for mode in MODES}
+    totals = {mode: [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in runs[mode]] for mode in modes}
     off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
     off_cpu = [statistics.mean(r["traced_cpu"] + r["untraced_cpu"]) for r in runs["off"]]
     kinds = ("traced", "untraced") if runs["off"][0]["untraced"] else ("traced",)
@@ -220,9 +235,9 @@ def main():
               "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
               "off_ms_per_iteration": statistics.median(off_iteration),
               "off_cpu_ms_per_iteration": statistics.median(off_cpu),
-              "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in MODES},
+              "schedule_host_ms": {mode: statistics.median(r["schedule_host"] for r in runs[mode]) for mode in modes},
               "collector": _collector_by_rank(runs)}
-    for mode in MODES[1:]:
+    for mode in modes[1:]:
         def relative(kind, reference, mode=mode):
             return _relative([statistics.mean(r[kind]) for r in runs[mode]], reference)
         result[mode] = {"interval": _relative(totals[mode], totals["off"]),
@@ -244,7 +259,7 @@ def main():
                          f"{args.continuous_trace_iterations} traced): off {result['off_ms_per_iteration']:.1f} "
                          f"ms/iter (schedule issued in {result['schedule_host_ms']['off']:.1f} ms on the host, "
                          f"training thread on CPU {result['off_cpu_ms_per_iteration']:.1f} ms); "
-                         + "; ".join(_mode_summary(mode, result[mode]) for mode in MODES[1:])
+                         + "; ".join(_mode_summary(mode, result[mode]) for mode in modes[1:])
                          + "; " + _collector_summary(result["collector"]))
     shutdown()
 
