@@ -23,6 +23,7 @@ takes it out).
         [--bench-rounds 10] [--bench-json out.json] [--bench-modes off,base]
 """
 
+import argparse
 import gc
 import statistics
 import sys
@@ -41,13 +42,22 @@ from megatron.training.training import Trainer
 MODES = ("off", "base", "full")
 
 
+def _modes(text):
+    """--bench-modes as a tuple in MODES' order; anything but 'off' and one or both of the others is refused while
+    the flags are parsed (one line, before any model is built)."""
+    chosen = set(text.split(","))
+    if "off" not in chosen or len(chosen) < 2 or not chosen <= set(MODES):
+        raise argparse.ArgumentTypeError(f"{text!r}: give 'off' and one or both of 'base' and 'full'")
+    return tuple(mode for mode in MODES if mode in chosen)
+
+
 def _bench_args(parser):
     group = parser.add_argument_group("benchmark")
     group.add_argument("--bench-rounds", type=int, default=10, help="intervals per mode")
     group.add_argument("--bench-json", default=None, help="write the figures here (rank 0)")
-    group.add_argument("--bench-modes", default=",".join(MODES),
-                       help="the modes to rotate, 'off' and one or both of the others (fewer modes: more rounds of "
-                            "each in the same time)")
+    group.add_argument("--bench-modes", type=_modes, default=MODES,
+                       help="the modes to rotate, comma-separated: 'off' and one or both of 'base' and 'full' "
+                            "(fewer modes: more rounds of each in the same time)")
 
 
 class CollectorPauses:
@@ -193,14 +203,6 @@ def _collector_by_rank(runs):
                    "full_collections": [rank[mode][1] for rank in gathered]} for mode in runs}
 
 
-def _modes(text):
-    """--bench-modes as a tuple in MODES' order, or None where it is not 'off' and one or both of the others."""
-    chosen = set(text.split(","))
-    if "off" not in chosen or len(chosen) < 2 or not chosen <= set(MODES):
-        return None
-    return tuple(mode for mode in MODES if mode in chosen)
-
-
 def _collector_summary(collector):
     return "garbage collector per interval, most of any rank: " + ", ".join(
         f"{mode} {max(figures['gc_ms']):.1f} ms ({max(figures['full_collections']):.1f} full)"
@@ -213,10 +215,7 @@ def main():
     args = job.args
     if not args.trace:
         sys.exit("bench/megascan_overhead.py: error: run with --trace (the modes switch it off and on)")
-    modes = _modes(args.bench_modes)
-    if modes is None:
-        sys.exit(f"bench/megascan_overhead.py: error: --bench-modes {args.bench_modes!r}: give 'off' and one or both "
-                 f"of 'base' and 'full', comma-separated")
+    modes = args.bench_modes
     runner = IntervalRunner(job)
     for mode in modes:  # warm-up: allocator, communicators, the writer's first window
         runner.run(mode)

@@ -10,7 +10,7 @@ back the Work wrapped so that the rank's ``wait()`` marks the end. Ops issued in
 batch (``_start_coalescing`` .. ``_end_coalescing``, how NCCL batches p2p) end with the batch's Work.
 
 Tensor parallelism issues about a hundred collectives per microbatch of a 24-layer model (two per layer
-each way, ten with sequence parallelism), and recording one costs the host 10-20 us on a GPU
+each way, ten a layer with sequence parallelism), and recording one costs the host 10-20 us on a GPU
 (docs/benchmarks.md): 1.8-3.2 % of a host-bound iteration at eight microbatches. Those of the forward
 passes of the last ``--trace-tp-microbatches`` microbatches of each iteration (and those outside
 microbatches) are recorded; the rest pass almost untouched and are counted from the process group's own
