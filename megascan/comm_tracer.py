@@ -108,6 +108,11 @@ class CommTracer:
         self.groups = {}  # id(group) -> (group, its name, global ranks, role); holding the group keeps its id unique
         self.coalescing = {}  # group name -> records issued inside an open coalesced batch
         self.originals = {}
+        # Built at the first install and reused: making them at every traced iteration left a few hundred
+        # closures and cells alive through its collections, which the garbage collector moved to its oldest
+        # generation, bringing its full collections (hundreds of milliseconds in a process holding a model)
+        # sooner (docs/benchmarks.md).
+        self.wrappers = None
         self.roles = {}
         self.tp_group = None  # the TP group, where some of its collectives are only counted
 
@@ -120,35 +125,40 @@ class CommTracer:
                     self.roles[id(group)] = role
             if self.tp_microbatches:
                 self.tp_group = _group_or_none(parallel_state.get_tensor_model_parallel_group)
-        counted = self._start_counting()
-        wrappers = {name: self._traced(name, getattr(ProcessGroup, name), counted)
-                    for name in COLLECTIVE_METHODS + P2P_METHODS if hasattr(ProcessGroup, name)}
-        wrappers["_start_coalescing"] = self._start_coalescing(ProcessGroup._start_coalescing)
-        wrappers["_end_coalescing"] = self._end_coalescing(ProcessGroup._end_coalescing)
-        for name, wrapper in wrappers.items():
+        self._start_counting()
+        if self.wrappers is None:
+            self.wrappers = self._wrap_methods()
+        for name, wrapper in self.wrappers.items():
             # The class's own descriptor, not getattr's unwrapped function: only the descriptor
             # binds ``self`` again once it is put back.
             self.originals[name] = ProcessGroup.__dict__.get(name)
             setattr(ProcessGroup, name, wrapper)
 
+    def _wrap_methods(self):
+        counted_id = None if self.tp_group is None else id(self.tp_group)
+        wrappers = {name: self._traced(name, getattr(ProcessGroup, name), counted_id)
+                    for name in COLLECTIVE_METHODS + P2P_METHODS if hasattr(ProcessGroup, name)}
+        wrappers["_start_coalescing"] = self._start_coalescing(ProcessGroup._start_coalescing)
+        wrappers["_end_coalescing"] = self._end_coalescing(ProcessGroup._end_coalescing)
+        return wrappers
+
     def _start_counting(self):
-        """The window's CountedCollectives, started for this iteration, or None where all are recorded."""
+        """Start the window's CountedCollectives for this iteration, unless all are recorded."""
         if self.tp_group is None:
-            return None
+            return
         recorder = self.recorder
         counted = recorder.counted
         if counted is None:
             counted = recorder.counted = CountedCollectives.of(recorder, self.tp_group, self._known(self.tp_group)[1])
             if counted is None:  # its backend numbers nothing: record them all from now on
                 self.tp_group = None
-                return None
+                return
         else:
             counted.restart()
         context = recorder.context
         # per traced iteration: a batch-size ramp-up changes the number of microbatches
         context.first_recorded = max(get_num_microbatches() - self.tp_microbatches, 0)
         context.backward_counted, context.on_counting = True, counted.moved
-        return counted
 
     def uninstall(self):
         context = self.recorder.context
@@ -180,21 +190,24 @@ class CommTracer:
             window_groups[name] = {"ranks": ranks, "role": role}
         return name, ranks
 
-    def _traced(self, method, original, counted):
+    def _traced(self, method, original, counted_id):
+        """``counted_id``: the id of the group whose collectives may be only counted (context.counting says
+        when: then the recorder holds the window's CountedCollectives), or None."""
         recorder = self.recorder
         context = recorder.context
         kind = method if method in P2P_METHODS else "collective"
         # The fast path (counted_collectives.py): as little as can be, since hundreds pass per microbatch.
-        counted_id = id(counted.group) if counted is not None and kind == "collective" else None
+        if kind != "collective":
+            counted_id = None
         clock = time.time_ns
 
         def traced(group, *args, **kwargs):
             if context.counting:
                 if id(group) == counted_id:
-                    counted.latest = (method, context.iteration, context.microbatch, context.chunk, context.phase,
-                                      clock())
+                    recorder.counted.latest = (method, context.iteration, context.microbatch, context.chunk,
+                                               context.phase, clock())
                     return original(group, *args, **kwargs)
-                counted.fold()  # recorded among counted ones: its sequence counters and unrecorded_before are due
+                recorder.counted.fold()  # recorded among counted ones: its counters and unrecorded_before are due
             name, ranks = self._group(group)
             nbytes, dtype = size_and_dtype(method, args)
             if kind == "collective":

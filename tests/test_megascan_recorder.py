@@ -9,7 +9,9 @@ import time
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import FakeProcessGroup
+from torch.distributed import ProcessGroup
 
+from megascan.comm_tracer import CommTracer
 from megascan.counted_collectives import CountedCollectives
 from megascan.recorder import Recorder
 from megascan.timing import HostTimer
@@ -108,3 +110,17 @@ def test_backward_passes_are_counted_in_every_microbatch_where_asked():
 def test_a_backend_without_sequence_numbers_is_not_counted():
     numberless = FakeProcessGroup._create_internal(0, 2)  # PyTorch's own "fake" backend keeps none
     assert CountedCollectives.of(Recorder(HostTimer()), numberless, "tp0") is None
+
+
+def test_the_process_group_wrappers_are_made_once_and_the_originals_put_back_each_time():
+    """Wrappers made at each traced iteration were garbage that the collector moved to its oldest generation."""
+    originals = {name: ProcessGroup.__dict__[name] for name in ("allreduce", "_allgather_base", "_end_coalescing")}
+    tracer = CommTracer(Recorder(HostTimer()))
+    installed = []
+    for _ in range(2):
+        tracer.install()
+        installed.append({name: ProcessGroup.__dict__[name] for name in originals})
+        tracer.uninstall()
+        assert {name: ProcessGroup.__dict__[name] for name in originals} == originals
+    assert installed[0] == installed[1]
+    assert all(installed[0][name] is not original for name, original in originals.items())
