@@ -21,6 +21,8 @@ takes it out).
     torchrun --nproc_per_node N bench/megascan_overhead.py <pretrain_gpt.py flags> --trace \
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
         [--bench-rounds 10] [--bench-json out.json] [--bench-modes off,base]
+
+Several runs of one job pool with ``python bench/megascan_overhead_pool.py out1.json out2.json ...``.
 """
 
 import argparse
@@ -31,6 +33,7 @@ import time
 
 import torch
 from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job
+from overhead_rounds import ratios, summary
 
 import megascan
 from megascan.layer_tracer import LayerTracer
@@ -158,9 +161,7 @@ class IntervalRunner:
 
 
 def _relative(values, reference):
-    ratios = [v / r - 1 for v, r in zip(values, reference)]
-    return {"median_percent": statistics.median(ratios) * 100, "mean_percent": statistics.mean(ratios) * 100,
-            "std_error_percent": statistics.stdev(ratios) / len(ratios) ** 0.5 * 100 if len(ratios) > 1 else None}
+    return summary(ratios(values, reference))
 
 
 def _percent(figure):
@@ -230,7 +231,10 @@ def main():
     kinds = ("traced", "untraced") if runs["off"][0]["untraced"] else ("traced",)
     off_pooled = [t for r in runs["off"] for t in r["traced"] + r["untraced"]]
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
-                        f"xDP{args.data_parallel_size}", "rounds": args.bench_rounds,
+                        f"xDP{args.data_parallel_size}",
+              "model": f"{args.num_layers} layers, hidden {args.hidden_size}, sequence {args.seq_length}, micro batch "
+                       f"{args.micro_batch_size}, global batch {args.global_batch_size}",
+              "rounds": args.bench_rounds,
               "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
               "off_ms_per_iteration": statistics.median(off_iteration),
               "off_cpu_ms_per_iteration": statistics.median(off_cpu),
