@@ -9,7 +9,8 @@
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
 # Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with
-# `python tools/aggregate.py -b $RESULTS/detect_<case> -d`.
+# `python tools/aggregate.py -b $RESULTS/detect_<case> -d`, and pool several runs' JSON of one layout (different
+# TAGs) with `python bench/megascan_overhead_pool.py <files>`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
