@@ -33,7 +33,7 @@ import time
 
 import torch
 from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job
-from overhead_rounds import ratios, summary
+from overhead_rounds import off_iteration_ms, ratios, round_ratios, summary
 
 import megascan
 from megascan.layer_tracer import LayerTracer
@@ -160,10 +160,6 @@ class IntervalRunner:
         return times
 
 
-def _relative(values, reference):
-    return summary(ratios(values, reference))
-
-
 def _percent(figure):
     if figure is None:
         return "n/a"
@@ -225,8 +221,7 @@ def main():
         shift = round_index % len(modes)
         for mode in modes[shift:] + modes[:shift]:
             runs[mode].append(runner.run(mode))
-    totals = {mode: [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in runs[mode]] for mode in modes}
-    off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in runs["off"]]
+    off_iteration = off_iteration_ms(runs["off"])
     off_cpu = [statistics.mean(r["traced_cpu"] + r["untraced_cpu"]) for r in runs["off"]]
     kinds = ("traced", "untraced") if runs["off"][0]["untraced"] else ("traced",)
     off_pooled = [t for r in runs["off"] for t in r["traced"] + r["untraced"]]
@@ -242,10 +237,11 @@ def main():
               "collector": _collector_by_rank(runs)}
     for mode in modes[1:]:
         def relative(kind, reference, mode=mode):
-            return _relative([statistics.mean(r[kind]) for r in runs[mode]], reference)
-        result[mode] = {"interval": _relative(totals[mode], totals["off"]),
-                        "traced_iterations": relative("traced", off_iteration),
-                        "untraced_iterations": relative("untraced", off_iteration) if "untraced" in kinds else None,
+            return summary(ratios([statistics.mean(r[kind]) for r in runs[mode]], reference))
+        figures = round_ratios(runs, mode)
+        result[mode] = {"interval": summary(figures["interval"]),
+                        "traced_iterations": summary(figures["traced"]),
+                        "untraced_iterations": summary(figures["untraced"]) if "untraced" in figures else None,
                         "traced_cpu": relative("traced_cpu", off_cpu),
                         "untraced_cpu": relative("untraced_cpu", off_cpu) if "untraced" in kinds else None,
                         "writer_drain_ms": statistics.median(r["drain"] for r in runs[mode]),

@@ -13,9 +13,8 @@ different jobs (model, layout, interval, traced iterations) are refused.
 import argparse
 import json
 import os
-import statistics
 
-from overhead_rounds import ratios, summary
+from overhead_rounds import round_ratios, summary
 
 from megatron.training.errors import ArgumentError, exit_on_user_error
 
@@ -35,25 +34,6 @@ def _load(path):
 
 def _job(run):
     return ", ".join(f"{key} {run.get(key, 'not written')}" for key in (*_JOB_KEYS, "model"))
-
-
-def round_ratios(run, mode):
-    """{figure name: [one ratio per round]} of ``mode`` in one run."""
-    off, rounds = run["runs"]["off"], run["runs"][mode]
-    off_iteration = [statistics.mean(r["traced"] + r["untraced"]) for r in off]
-
-    def total(r):
-        return sum(r["traced"]) + sum(r["untraced"]) + r["drain"]
-
-    figures = {"traced": ratios([statistics.mean(r["traced"]) for r in rounds], off_iteration)}
-    if rounds[0]["untraced"]:
-        figures["untraced"] = ratios([statistics.mean(r["untraced"]) for r in rounds], off_iteration)
-    figures["interval"] = ratios([total(r) for r in rounds], [total(r) for r in off])
-    first_traced = len(rounds[0]["untraced"]) + 1
-    for index in range(len(rounds[0]["traced"])):
-        figures[f"position {first_traced + index}"] = ratios([r["traced"][index] for r in rounds],
-                                                             [r["traced"][index] for r in off])
-    return figures
 
 
 def _format(figure):
@@ -83,7 +63,7 @@ def main():
     modes = [mode for mode in ("base", "full") if all(mode in run["runs"] for run in runs)]
     pooled = {mode: {} for mode in modes}
     for path, run in zip(paths, runs):
-        own = {mode: round_ratios(run, mode) for mode in ("base", "full") if mode in run["runs"]}
+        own = {mode: round_ratios(run["runs"], mode) for mode in ("base", "full") if mode in run["runs"]}
         _report(f"{os.path.basename(path)}: {len(run['runs']['off'])} rounds, off "
                 f"{run['off_ms_per_iteration']:.1f} ms an iteration", own)
         for mode in modes:
