@@ -5,7 +5,8 @@
 #     on more GPUs the rest is data parallel: with NPROC=4, "dp" is DP4, "tp2_sp" TP2 x DP2 with sequence
 #     parallelism, "pp2" PP2 x DP2),
 #     ROUNDS rounds each (10), each layout's job stopped after LAYOUT_TIMEOUT seconds (300), with the flags
-#     in EXTRA added (e.g. "--manual-gc", or "--bench-modes off,base") and TAG appended to the names of its outputs;
+#     in EXTRA added (e.g. "--manual-gc", or "--bench-modes off,base --trace-granularity base": a base-traced job,
+#     which keeps the CUDA graphs on by default at TP1 and PP1) and TAG appended to the names of its outputs;
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
 # Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with
@@ -15,10 +16,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 source bench/gpt345m_setup.sh
 SIZE=${SIZE:-345m} NPROC=${NPROC:-2}
+# Enough iterations' data for every round: a warm-up and ROUNDS intervals of 5 for each of up to 3 modes.
+TRAIN_ITERS=$(( ${ROUNDS:-10} * 15 + 15 > 1000 ? ${ROUNDS:-10} * 15 + 15 : 1000 ))
 for name in ${OVERHEAD-dp2 tp2 pp2}; do
     log=$RESULTS/megascan_overhead_${SIZE}_${name}_x$NPROC${TAG:-}
     timeout "${LAYOUT_TIMEOUT:-300}" torchrun --nproc_per_node "$NPROC" bench/megascan_overhead.py "${MODEL[@]}" \
-        ${SIZES[$SIZE]} ${LAYOUTS[$name]} --train-iters 1000 --trace --trace-dir "${log}_trace" \
+        ${SIZES[$SIZE]} ${LAYOUTS[$name]} --train-iters "$TRAIN_ITERS" --trace --trace-dir "${log}_trace" \
         --trace-interval 5 --continuous-trace-iterations 2 --bench-rounds "${ROUNDS:-10}" \
         --bench-json "$log.json" ${EXTRA:-} > "$log.log" 2>&1
     echo "overhead $SIZE $name exit $?"; grep "megascan overhead" "$log.log"

@@ -22,13 +22,16 @@ takes it out).
         --trace-dir DIR [--trace-interval 5 --continuous-trace-iterations 2] \
         [--bench-rounds 10] [--bench-json out.json] [--bench-modes off,base]
 
+A job traced at ``base`` alone (``--bench-modes off,base --trace-granularity base``) keeps the CUDA graphs that a
+real ``base``-traced job keeps (on by default at TP1 and PP1 on a GPU); with ``full`` among the modes the job runs as
+a ``full``-traced one would, without them, in every mode.
+
 Several runs of one job pool with ``python bench/megascan_overhead_pool.py out1.json out2.json ...``.
 """
 
 import argparse
 import gc
 import statistics
-import sys
 import time
 
 import torch
@@ -38,7 +41,7 @@ from overhead_rounds import off_iteration_ms, ratios, round_ratios, summary
 import megascan
 from megascan.layer_tracer import LayerTracer
 from megascan.session import is_traced
-from megatron.training.errors import exit_on_user_error
+from megatron.training.errors import UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
 from megatron.training.training import Trainer
 
@@ -211,8 +214,17 @@ def main():
     job = setup_gpt_bench_job("bench/megascan_overhead.py", _bench_args)
     args = job.args
     if not args.trace:
-        sys.exit("bench/megascan_overhead.py: error: run with --trace (the modes switch it off and on)")
+        raise UserError("run with --trace (the modes switch it off and on)")
     modes = args.bench_modes
+    if "full" in modes and args.trace_granularity != "full":
+        # At base the layers are not traced at all: a 'full' interval would time base tracing again.
+        raise UserError(f"--bench-modes {','.join(modes)} times 'full', which needs --trace-granularity full "
+                        f"(its default); or give --bench-modes off,base")
+    needed = (args.bench_rounds + 1) * len(modes) * args.trace_interval  # with one warm-up interval per mode
+    if needed > args.train_iters:  # the data loader holds --train-iters iterations' batches, no more
+        raise UserError(f"--bench-rounds {args.bench_rounds} runs {needed} iterations ({len(modes)} modes, "
+                        f"--trace-interval {args.trace_interval}, a warm-up interval each), more than the "
+                        f"--train-iters {args.train_iters} the data is drawn for; raise --train-iters to {needed}")
     runner = IntervalRunner(job)
     for mode in modes:  # warm-up: allocator, communicators, the writer's first window
         runner.run(mode)
@@ -229,6 +241,7 @@ def main():
                         f"xDP{args.data_parallel_size}",
               "model": f"{args.num_layers} layers, hidden {args.hidden_size}, sequence {args.seq_length}, micro batch "
                        f"{args.micro_batch_size}, global batch {args.global_batch_size}",
+              "cuda_graphs": args.cuda_graph_impl,
               "rounds": args.bench_rounds,
               "interval": args.trace_interval, "continuous": args.continuous_trace_iterations, "runs": runs,
               "off_ms_per_iteration": statistics.median(off_iteration),

@@ -7,7 +7,7 @@ Per run and pooled over all their rounds, for each traced mode: the traced itera
 the whole interval against `off`'s interval of the same round (the figures the benchmark prints), and each
 traced position (the interval's 4th, 5th... iteration) against `off`'s iteration at that position. Each as the
 median over rounds (in brackets its bootstrap standard error; then the mean +- its standard error). Runs of
-different jobs (model, layout, interval, traced iterations) are refused.
+different jobs (model, layout, CUDA graphs, interval, traced iterations) are refused.
 """
 
 import argparse
@@ -18,7 +18,8 @@ from overhead_rounds import round_ratios, summary
 
 from megatron.training.errors import ArgumentError, exit_on_user_error
 
-_JOB_KEYS = ("layout", "interval", "continuous")  # and "model", which runs before 2026-11-28 did not write
+_JOB_KEYS = ("layout", "interval", "continuous")
+_LATER_KEYS = ("model", "cuda_graphs")  # added later: older runs did not write them
 
 
 def _load(path):
@@ -33,7 +34,7 @@ def _load(path):
 
 
 def _job(run):
-    return ", ".join(f"{key} {run.get(key, 'not written')}" for key in (*_JOB_KEYS, "model"))
+    return ", ".join(f"{key} {run.get(key, 'not written')}" for key in (*_JOB_KEYS, *_LATER_KEYS))
 
 
 def _format(figure):
