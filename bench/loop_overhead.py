@@ -48,11 +48,12 @@ def _synchronized_seconds(run, args):
     return time.perf_counter() - start
 
 
-def setup_gpt_bench_job(prog, bench_args):
-    """The job pretrain_gpt.py would run, with the benchmark's own flags added."""
+def setup_gpt_bench_job(prog, bench_args, check_bench_args=None):
+    """The job pretrain_gpt.py would run, with the benchmark's own flags added (and checked by
+    ``check_bench_args(args)`` before anything is built)."""
     return setup_job(sys.argv[1:], prog=prog, model_provider=pretrain_gpt.model_provider,
                      dataset_provider=pretrain_gpt.dataset_provider, forward_step_func=pretrain_gpt.forward_step,
-                     extra_args_provider=bench_args)
+                     extra_args_provider=bench_args, extra_args_check=check_bench_args)
 
 
 def report(args, result, line):

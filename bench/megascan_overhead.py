@@ -36,12 +36,12 @@ import time
 
 import torch
 from loop_overhead import _synchronized_seconds, report, setup_gpt_bench_job
-from overhead_rounds import off_iteration_ms, ratios, round_ratios, summary
+from overhead_rounds import off_iteration_ms, ratios, round_ratios, single_iterations_ms, summary
 
 import megascan
 from megascan.layer_tracer import LayerTracer
 from megascan.session import is_traced
-from megatron.training.errors import UserError, exit_on_user_error
+from megatron.training.errors import ArgumentError, exit_on_user_error
 from megatron.training.initialize import shutdown
 from megatron.training.training import Trainer
 
@@ -209,22 +209,27 @@ def _collector_summary(collector):
         for mode, figures in collector.items())
 
 
-@exit_on_user_error
-def main():
-    job = setup_gpt_bench_job("bench/megascan_overhead.py", _bench_args)
-    args = job.args
+def _check_bench_args(args):
+    """The flags the benchmark cannot time, refused before the job is built."""
     if not args.trace:
-        raise UserError("run with --trace (the modes switch it off and on)")
+        raise ArgumentError("run with --trace (the modes switch it off and on)")
     modes = args.bench_modes
     if "full" in modes and args.trace_granularity != "full":
         # At base the layers are not traced at all: a 'full' interval would time base tracing again.
-        raise UserError(f"--bench-modes {','.join(modes)} times 'full', which needs --trace-granularity full "
-                        f"(its default); or give --bench-modes off,base")
+        raise ArgumentError(f"--bench-modes {','.join(modes)} times 'full', which needs --trace-granularity full "
+                            f"(its default); or give --bench-modes off,base")
     needed = (args.bench_rounds + 1) * len(modes) * args.trace_interval  # with one warm-up interval per mode
     if needed > args.train_iters:  # the data loader holds --train-iters iterations' batches, no more
-        raise UserError(f"--bench-rounds {args.bench_rounds} runs {needed} iterations ({len(modes)} modes, "
-                        f"--trace-interval {args.trace_interval}, a warm-up interval each), more than the "
-                        f"--train-iters {args.train_iters} the data is drawn for; raise --train-iters to {needed}")
+        raise ArgumentError(f"--bench-rounds {args.bench_rounds} runs {needed} iterations ({len(modes)} modes, "
+                            f"--trace-interval {args.trace_interval}, a warm-up interval each), more than the "
+                            f"--train-iters {args.train_iters} the data is drawn for; raise --train-iters to {needed}")
+
+
+@exit_on_user_error
+def main():
+    job = setup_gpt_bench_job("bench/megascan_overhead.py", _bench_args, _check_bench_args)
+    args = job.args
+    modes = args.bench_modes
     runner = IntervalRunner(job)
     for mode in modes:  # warm-up: allocator, communicators, the writer's first window
         runner.run(mode)
@@ -236,7 +241,7 @@ def main():
     off_iteration = off_iteration_ms(runs["off"])
     off_cpu = [statistics.mean(r["traced_cpu"] + r["untraced_cpu"]) for r in runs["off"]]
     kinds = ("traced", "untraced") if runs["off"][0]["untraced"] else ("traced",)
-    off_pooled = [t for r in runs["off"] for t in r["traced"] + r["untraced"]]
+    off_pooled = single_iterations_ms(runs["off"])
     result = {"layout": f"TP{args.tensor_model_parallel_size}xPP{args.pipeline_model_parallel_size}"
                         f"xDP{args.data_parallel_size}",
               "model": f"{args.num_layers} layers, hidden {args.hidden_size}, sequence {args.seq_length}, micro batch "

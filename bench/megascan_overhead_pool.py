@@ -3,7 +3,8 @@ needs more rounds than one device call holds.
 
     python bench/megascan_overhead_pool.py run1.json run2.json ...   (their --bench-json files)
 
-Per run and pooled over all their rounds, for each traced mode: the traced iterations, the untraced ones and
+Per run: `off`'s iteration and the spread of its single iterations (10th..90th percentile). Per run and
+pooled over all their rounds, for each traced mode: the traced iterations, the untraced ones and
 the whole interval against `off`'s interval of the same round (the figures the benchmark prints), and each
 traced position (the interval's 4th, 5th... iteration) against `off`'s iteration at that position. Each as the
 median over rounds (in brackets its bootstrap standard error; then the mean +- its standard error). Runs of
@@ -13,8 +14,9 @@ different jobs (model, layout, CUDA graphs, interval, traced iterations) are ref
 import argparse
 import json
 import os
+import statistics
 
-from overhead_rounds import round_ratios, summary
+from overhead_rounds import round_ratios, single_iterations_ms, summary
 
 from megatron.training.errors import ArgumentError, exit_on_user_error
 
@@ -65,8 +67,10 @@ def main():
     pooled = {mode: {} for mode in modes}
     for path, run in zip(paths, runs):
         own = {mode: round_ratios(run["runs"], mode) for mode in ("base", "full") if mode in run["runs"]}
+        deciles = statistics.quantiles(single_iterations_ms(run["runs"]["off"]), n=10)
         _report(f"{os.path.basename(path)}: {len(run['runs']['off'])} rounds, off "
-                f"{run['off_ms_per_iteration']:.1f} ms an iteration", own)
+                f"{run['off_ms_per_iteration']:.1f} ms an iteration (single ones p10..p90 "
+                f"{deciles[0]:.0f}..{deciles[-1]:.0f})", own)
         for mode in modes:
             for name, values in own[mode].items():
                 pooled[mode].setdefault(name, []).extend(values)

@@ -19,6 +19,11 @@ def interval_ms(rounds):
     return [sum(r["traced"]) + sum(r["untraced"]) + r["drain"] for r in rounds]
 
 
+def single_iterations_ms(rounds):
+    """Every iteration of the intervals, one list."""
+    return [t for r in rounds for t in r["traced"] + r["untraced"]]
+
+
 def off_iteration_ms(off_rounds):
     """The reference of each round's iterations: the mean iteration of that round's `off` interval."""
     return [statistics.mean(r["traced"] + r["untraced"]) for r in off_rounds]

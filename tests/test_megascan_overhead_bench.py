@@ -52,5 +52,6 @@ def test_a_job_the_benchmark_cannot_time_is_refused_in_one_line(gpt_data, tmp_pa
     result = run_script("bench/megascan_overhead.py", TINY_GPT + gpt_data_args(gpt_data) + [
         "--trace", "--trace-dir", tmp_path / "trace", "--trace-interval", "5", *flags])
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "setup done" not in result.stdout  # refused before the model and data are built
     # (megatron-core's import warnings come before it)
     assert [text for text in result.stderr.splitlines() if "error" in text] == [f"megascan_overhead.py: error: {line}"]

@@ -213,8 +213,11 @@ class Job:
         return self.context.args
 
 
-def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None):
+def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func, extra_args_provider=None,
+              extra_args_check=None):
     """Parse and check flags, start the process groups, build model, optimizer and data, load --load.
+    ``extra_args_check(args)`` checks the flags ``extra_args_provider`` added, with the others, before anything
+    is built.
 
     None when a plugin ran this process's whole job instead (MegaFBD's forward instances)."""
     registry = PluginRegistry.discover()
@@ -223,6 +226,8 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     launch = Launch.from_environment()
     validate_args(args, registry.training_world_size(args, launch.size))
     registry.validate_args(args)
+    if extra_args_check is not None:
+        extra_args_check(args)
     use_checkpoint_vocab_padding(args)
     tokenizer = build_tokenizer(args)  # before the process group: a bad vocabulary fails at once
     claim_save_dir(args)  # a second job on the same --save is refused before it starts
