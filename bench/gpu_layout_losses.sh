@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Parallel layouts against one GPU, losses and grad norms of every iteration (docs/benchmarks.md): GPT 345M bf16,
 # dropout 0, --use-cpu-initialization (the same start in every layout), 8 iterations of 8 microbatches:
-# DP2, TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each eager and with megatron-core's local
-# CUDA graphs (--cuda-graph-impl local), on GPUs 0,1 and 2,3 two at a time. For each run it also prints how long
-# the job took to exit after its last iteration (a job that does not exit is stopped after EXIT_WAIT s).
-#   [CHECK_LAYOUTS="dp2 tp2_sp pp2 pp2_vp"] [MODES="eager graphs"] bash bench/gpu_layout_losses.sh
+# DP2 (also with the distributed optimizer), TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each
+# eager and with megatron-core's local CUDA graphs (--cuda-graph-impl local; REPEATS times, 1 by default), on GPUs
+# 0,1 and 2,3 two at a time. For each run it also prints how long the job took to exit after its last iteration (a
+# job that does not exit is stopped after EXIT_WAIT s).
+#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] [MODES="eager graphs"] [REPEATS=3] bash bench/gpu_layout_losses.sh
 # Outputs under ${RESULTS:-bench_results}/layout_losses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +15,8 @@ mkdir -p "$OUTDIR"
 ITERATIONS=8
 COMMON=("${MODEL[@]}" --hidden-dropout 0 --attention-dropout 0 --use-cpu-initialization --micro-batch-size 2
         --global-batch-size 16 --train-iters "$ITERATIONS" --lr-warmup-iters 1 --log-interval 1)
-declare -A LAYOUT=([dp2]="" [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
+declare -A LAYOUT=([dp2]="" [dp2_distopt]="--use-distributed-optimizer"
+                   [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
                    [pp2]="--pipeline-model-parallel-size 2"
                    [pp2_vp]="--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6")
 
@@ -36,12 +38,14 @@ launch() {  # name, gpus, port, flags...: runs the job, then says how long it to
 }
 
 runs=()  # name and flags, run two at a time (GPUs 0,1 and 2,3)
-for layout in ${CHECK_LAYOUTS:-dp2 tp2_sp pp2 pp2_vp}; do
+for layout in ${CHECK_LAYOUTS:-dp2 dp2_distopt tp2_sp pp2 pp2_vp}; do
     [[ -v LAYOUT[$layout] ]] || { echo "CHECK_LAYOUTS: $layout is none of ${!LAYOUT[*]}" >&2; exit 2; }
     for mode in ${MODES:-eager graphs}; do
         case $mode in
             eager) runs+=("$layout|${LAYOUT[$layout]} --cuda-graph-impl none") ;;
-            graphs) runs+=("${layout}_graphs|${LAYOUT[$layout]} --cuda-graph-impl local") ;;
+            graphs) for ((k = 1; k <= ${REPEATS:-1}; k++)); do
+                        runs+=("${layout}_graphs$( ((k > 1)) && echo "_$k")|${LAYOUT[$layout]} --cuda-graph-impl local")
+                    done ;;
             *) echo "MODES: $mode is neither eager nor graphs" >&2; exit 2 ;;
         esac
     done

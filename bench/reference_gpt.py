@@ -10,10 +10,15 @@ Random tokens: the input does not change the work.
     python bench/reference_gpt.py --num-layers 24 --hidden-size 1024 --num-attention-heads 16 \
         --seq-length 1024 --vocab-size 8192 --micro-batch-size 4 --global-batch-size 32 [--compile]
 
-Prints one line: ms per iteration (mean over the timed iterations, after the warm-up) and TFLOP/s.
+Prints one line: ms per iteration (mean over the timed iterations, after the warm-up) and TFLOP/s per GPU.
+Under ``torchrun --nproc_per_node N`` it trains data-parallel with PyTorch's DistributedDataParallel (NCCL,
+gradient all-reduce overlapped with the backward, skipped on all but the last micro batch of an iteration):
+the reference that the parallel layouts are measured against (``bench/layouts.sh``).
 """
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 import types
@@ -75,20 +80,31 @@ def main():
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/reference_gpt.py: error: needs a CUDA GPU")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.global_batch_size % (args.micro_batch_size * world):
+        sys.exit(f"bench/reference_gpt.py: error: --global-batch-size {args.global_batch_size} is not a multiple of "
+                 f"--micro-batch-size {args.micro_batch_size} x {world} processes")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if world > 1:
+        torch.distributed.init_process_group("nccl")
     torch.manual_seed(0)
     model = ReferenceGPT(args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
                          args.vocab_size, args.dropout).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1.5e-4, betas=(0.9, 0.95), weight_decay=0.01, fused=True)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True)
     step_model = torch.compile(model) if args.compile else model
-    accumulation = args.global_batch_size // args.micro_batch_size
+    accumulation = args.global_batch_size // (args.micro_batch_size * world)
     shape = (args.micro_batch_size, args.seq_length)
 
     def iteration():
-        for _ in range(accumulation):
+        for index in range(accumulation):
             tokens = torch.randint(args.vocab_size, shape, device="cuda")
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = step_model(tokens, torch.roll(tokens, -1, dims=1))
-            (loss / accumulation).backward()
+            last = index == accumulation - 1
+            with (model.no_sync() if world > 1 and not last else contextlib.nullcontext()):
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = step_model(tokens, torch.roll(tokens, -1, dims=1))
+                (loss / accumulation).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -106,9 +122,13 @@ def main():
         kv_channels=args.hidden_size // args.num_attention_heads, num_attention_heads=args.num_attention_heads,
         num_query_groups=args.num_attention_heads, swiglu=False, ffn_hidden_size=4 * args.hidden_size,
         recompute_granularity=None, global_batch_size=args.global_batch_size)
-    tflops = training_flops_per_iteration(flops_args, args.vocab_size) / seconds / 1e12
-    print(f"reference {'compiled' if args.compile else 'eager'}: {seconds * 1000:.1f} ms/iteration "
-          f"{tflops:.1f} TFLOP/s peak memory (MB): {torch.cuda.max_memory_allocated() / 2**20:.0f}", flush=True)
+    tflops = training_flops_per_iteration(flops_args, args.vocab_size) / seconds / world / 1e12
+    if int(os.environ.get("RANK", "0")) == 0:
+        name = f"{'compiled' if args.compile else 'eager'}{f' DDP x{world}' if world > 1 else ''}"
+        print(f"reference {name}: {seconds * 1000:.1f} ms/iteration {tflops:.1f} TFLOP/s peak memory (MB): "
+              f"{torch.cuda.max_memory_allocated() / 2**20:.0f}", flush=True)
+    if world > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

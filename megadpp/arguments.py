@@ -3,6 +3,7 @@
 import ipaddress
 
 from megadpp.policy import POLICIES
+from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
 from megatron.training.writable_paths import check_new_file_writable
 
@@ -94,6 +95,13 @@ def validate_args(args):
              "--dpp-delay-ms and --dpp-jitter-ms must not be negative")
     _require(0.0 < args.dpp_delay_probability <= 1.0,
              f"--dpp-delay-probability must be in (0, 1], got {args.dpp_delay_probability}")
+    if args.use_dpp:
+        # megatron-core's graphed layers replay one graph per microbatch in the order they were captured in;
+        # the dynamic schedule runs microbatches in the order they become ready.
+        return graphs_give_way(args, "off with --use-dpp",
+                               f"--use-dpp runs microbatches in a changing order, which the per-microbatch CUDA "
+                               f"graphs of --cuda-graph-impl {args.cuda_graph_impl} cannot follow; drop it")
+    return None
 
 
 def stall_timeout(args):

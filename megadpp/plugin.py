@@ -31,7 +31,7 @@ class MegaDPPPlugin:
         return any_flag_given(args)
 
     def validate_args(self, args):
-        validate_args(args)
+        return validate_args(args)
 
     def after_setup(self, context, model, optimizer, scheduler):
         args = context.args

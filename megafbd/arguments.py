@@ -1,6 +1,7 @@
 """MegaFBD's flags and every check of how they fit the launch and the other flags."""
 
 from megafbd.layout import BACKWARD, FORWARD, InstanceLayout
+from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
 from megatron.training.frozen_args import FrozenArgs
 from megatron.training.placement import Launch, Placement, World
@@ -77,14 +78,11 @@ def validate_args(args: FrozenArgs) -> dict[str, object]:
              "--fbd-forward-device cuda needs --device cuda; use --fbd-forward-device cpu")
     _require(not (forward_device == "cpu" and args.fp16),
              "--fbd-forward-device cpu cannot run --fp16 (no CPU kernels); use --bf16")
-    normalised = {"fbd_forward_device": forward_device}
-    if args.cuda_graph_impl != "none":
-        # The layers' graphs are captured around megatron-core's schedules, not the backward instances'.
-        _require(args.cuda_graph_by_default,
-                 f"--forward-backward-disaggregating cannot replay CUDA graphs (--cuda-graph-impl "
-                 f"{args.cuda_graph_impl}); drop it")
-        normalised.update(cuda_graph_impl="none", cuda_graph_note="off with --forward-backward-disaggregating")
-    return normalised
+    # The layers' graphs are captured around megatron-core's schedules, not the backward instances'.
+    graphs = graphs_give_way(args, "off with --forward-backward-disaggregating",
+                             f"--forward-backward-disaggregating cannot replay CUDA graphs (--cuda-graph-impl "
+                             f"{args.cuda_graph_impl}); drop it")
+    return {"fbd_forward_device": forward_device, **(graphs or {})}
 
 
 def placement(args: FrozenArgs, launch: Launch) -> Placement:

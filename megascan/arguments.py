@@ -3,6 +3,7 @@
 import glob
 import os
 
+from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
 
 TRACE_FILE_PATTERN = "benchmark-data-*-pipeline-*-tensor-*.json"
@@ -106,13 +107,12 @@ def compose_with_cuda_graphs(args):
     launch that no Python hook sees. Graphs that were only the default give way (the start-up log says
     so): the values validation normalises, else None; graphs the user asked for with full tracing are
     refused in one line."""
-    if not (args.trace and args.trace_granularity == "full" and args.cuda_graph_impl != "none"):
+    if not (args.trace and args.trace_granularity == "full"):
         return None
-    _require(args.cuda_graph_by_default,
-             f"--trace-granularity full times every layer, which --cuda-graph-impl {args.cuda_graph_impl} "
-             f"replays as one launch; use --trace-granularity base or drop the CUDA graphs")
-    return {"cuda_graph_impl": "none",
-            "cuda_graph_note": "off: MegaScan --trace-granularity full times every layer from Python"}
+    return graphs_give_way(args, "off: MegaScan --trace-granularity full times every layer from Python",
+                           f"--trace-granularity full times every layer, which --cuda-graph-impl "
+                           f"{args.cuda_graph_impl} replays as one launch; use --trace-granularity base or drop the "
+                           f"CUDA graphs")
 
 
 def _existing_ancestor(path):

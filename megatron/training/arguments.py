@@ -69,8 +69,9 @@ def _add_kernel_args(parser):
                         "local on a GPU where verified (TP1, PP1, local implementation, no full "
                         "recomputation); none otherwise; the start-up log says which and why")
     g.add_argument("--enable-cuda-graph", action="store_true", help="same as --cuda-graph-impl local")
-    g.add_argument("--cuda-graph-scope", nargs="*", default=[], choices=["attn", "mlp"],
-                   help="parts of each layer to capture (default: the whole layer)")
+    g.add_argument("--cuda-graph-scope", nargs="*", default=[], choices=["attn", "mlp", "full_iteration"],
+                   help="parts of each layer to capture (default: the whole layer), or full_iteration: the whole "
+                        "forward-backward schedule of an iteration as one graph (no per-microbatch host work)")
     g.add_argument("--cuda-graph-warmup-steps", type=int, default=3)
 
 
@@ -144,6 +145,9 @@ def _add_parallel_args(parser):
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--batch-p2p-sync", action="store_true",
+                   help="synchronize the device after every batched pipeline transfer (megatron-core's default, "
+                        "a workaround for old PyTorch versions; off here: the schedule's stream waits order them)")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda when a GPU is visible, else cpu (gloo)")

@@ -66,7 +66,16 @@ def transformer_config(args):
         # the schedule goes on: gloo reads a send's tensor on its own thread, after the schedule has freed it.
         overlap_p2p_comm=interleaved and not on_cpu,
         batch_p2p_comm=not on_cpu and not interleaved,
+        # megatron-core synchronizes the whole device after every batched transfer, a workaround for an old
+        # PyTorch: a host-bound stage then pays its host and its GPU time one after the other. The schedule's
+        # stream waits on the transfers already order them. A whole-iteration graph cannot capture the sync.
+        batch_p2p_sync=args.batch_p2p_sync and not whole_iteration_graph(args),
     )
+
+
+def whole_iteration_graph(args):
+    """--cuda-graph-scope full_iteration: one graph replays the iteration's whole forward-backward schedule."""
+    return "full_iteration" in args.cuda_graph_scope
 
 
 def attention_backend_of(args):
@@ -86,7 +95,8 @@ def ddp_config(args):
         use_distributed_optimizer=args.use_distributed_optimizer,
         # With a dynamic fp16 loss scale an overflow (inf/NaN grads) is expected while the scale
         # settles: the optimizer skips that step, so stopping the run on it would be wrong.
-        check_for_nan_in_grad=not (args.fp16 and args.loss_scale is None),
+        # A whole-iteration graph cannot read the gradients' norm on the host in the middle of its iteration.
+        check_for_nan_in_grad=not (args.fp16 and args.loss_scale is None) and not whole_iteration_graph(args),
     )
 
 

@@ -4,11 +4,27 @@ megatron-core records each layer's forward and backward in the first iterations 
 afterwards. Once the graphs exist it replays the training forward for every call of a layer, also
 under ``torch.no_grad()`` in eval mode: evaluation would then apply dropout. Evaluation therefore runs
 the layers eagerly, by taking their graph managers away for its duration.
+
+At the end of a job every graph is released before the process groups are destroyed: NCCL cannot
+destroy a communicator while a graph that captured one of its collectives (tensor parallelism's, a
+pipeline's transfers) is alive, and the job would never exit.
 """
 
 import contextlib
+import gc
+
+import torch
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper
+from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
+
+from megatron.training.errors import ArgumentError
 
 GRAPH_MANAGER = "cudagraph_manager"  # the submodule through which megatron-core routes a layer's call
+
+
+def _graph_managers(model_chunks):
+    return [module._modules[GRAPH_MANAGER] for chunk in model_chunks for module in chunk.modules()
+            if module._modules.get(GRAPH_MANAGER) is not None]
 
 
 @contextlib.contextmanager
@@ -20,3 +36,33 @@ def layers_run_eagerly(model_chunks):
     finally:
         for module, manager in zip(graphed, managers):
             module._modules[GRAPH_MANAGER] = manager
+
+
+def release_cuda_graphs(model_chunks=()):
+    """Free every CUDA graph of the process and wait until the GPU has let go of them.
+
+    megatron-core's ``delete_cuda_graphs()`` resets only the runners still on its global record, which it
+    empties once the graphs are captured; the captured ones live on in each layer's graph manager, so those
+    are reset here. A whole-iteration graph (``--cuda-graph-scope full_iteration``) is held by its wrapper."""
+    for manager in _graph_managers(model_chunks):
+        for runner in manager.cudagraph_runners:
+            runner.fwd_graph = runner.bwd_graph = None
+            runner.cudagraph_created = runner.fwd_graph_recorded = runner.bwd_graph_recorded = False
+        manager.cudagraph_runners.clear()
+    for stage in FullCudaGraphWrapper.cuda_graph:
+        FullCudaGraphWrapper.cuda_graph[stage] = None
+        FullCudaGraphWrapper.result[stage] = None
+    delete_cuda_graphs()  # megatron-core's own record and memory pool; collects and empties the cache
+    gc.collect()
+    torch.cuda.synchronize()
+
+
+def graphs_give_way(args, module_note: str, refusal: str):
+    """For a plugin that cannot run with CUDA-graphed layers: the values its validation normalises. Graphs that
+    were only the default give way (the start-up line says ``module_note``); graphs the user asked for are
+    refused in one line (``refusal``). None when graphs are off anyway."""
+    if args.cuda_graph_impl == "none":
+        return None
+    if not args.cuda_graph_by_default:
+        raise ArgumentError(refusal)
+    return {"cuda_graph_impl": "none", "cuda_graph_note": module_note}

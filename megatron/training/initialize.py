@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.num_microbatches_calculator import init_num_microbatches_calculator
-from megatron.core.transformer.cuda_graphs import delete_cuda_graphs
 
 from megatron.training.cpu_compat import install_cpu_compat
+from megatron.training.cuda_graphs import release_cuda_graphs
 from megatron.training.placement import Launch
 from megatron.training.save_lock import release_save_locks
 
@@ -85,11 +85,11 @@ def initialize_megatron(args, plugin_start=None, store=None):
     set_random_seed(args.seed, cuda_graphs=args.cuda_graph_impl == "local")
 
 
-def shutdown():
+def shutdown(model_chunks=()):
+    """End the job's distributed state. ``model_chunks``: the model whose CUDA graphs to release first (see
+    ``release_cuda_graphs``: a graph that captured a collective keeps its communicator from being destroyed)."""
     if torch.cuda.is_initialized():
-        # A captured graph (megatron-core's local CUDA graphs) holds the NCCL communicators of the collectives
-        # inside it (tensor parallelism's): a TP2 job on two H100s never returned from destroying their group.
-        delete_cuda_graphs()
+        release_cuda_graphs(model_chunks)
     if torch.distributed.is_initialized():
         parallel_state.destroy_model_parallel()
         torch.distributed.destroy_process_group()

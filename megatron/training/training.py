@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.full_cuda_graph import FullCudaGraphWrapper
 from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron.training.arguments import parse_args
 from megatron.training.checkpointing import load_checkpoint, save_checkpoint, use_checkpoint_vocab_padding
+from megatron.training.core_configs import whole_iteration_graph
 from megatron.training.cuda_graphs import layers_run_eagerly
 from megatron.training.data import build_data_iterators
 from megatron.training.flops import training_flops_per_iteration
@@ -43,6 +45,15 @@ class TrainingState:
 
     iteration: int = 0
     last_saved_iteration: int = -1
+
+
+def core_schedule(args):
+    """megatron-core's forward-backward schedule for this layout, captured and replayed whole under
+    --cuda-graph-scope full_iteration (its data copied into static buffers each iteration first)."""
+    schedule = get_forward_backward_func()
+    if whole_iteration_graph(args):
+        schedule = FullCudaGraphWrapper(schedule, cuda_graph_warmup_steps=args.cuda_graph_warmup_steps)
+    return schedule
 
 
 def reduce_reported_losses(per_microbatch):
@@ -78,7 +89,7 @@ class Trainer:
         self.forward_step_func = forward_step_func
         if schedule is None:
             schedule = registry.wrap_schedule(
-                context, registry.forward_backward_func(context, get_forward_backward_func()))
+                context, registry.forward_backward_func(context, core_schedule(args)))
         self.forward_backward = schedule
         self.flops_per_iteration = training_flops_per_iteration(args, args.padded_vocab_size)
         self.stop_signal = StopSignalAgreement()
@@ -276,4 +287,4 @@ def pretrain(argv, **entry_point):
                        trainer.tensorboard)
     trainer.close(state.iteration)
     trainer.registry.call("on_train_end", job.context, state.iteration)
-    shutdown()
+    shutdown(trainer.model)

@@ -165,6 +165,11 @@ def _validate_kernels(args):
                  "CUDA graphs of transformer layers cannot replay a fully recomputed layer; drop "
                  "--recompute-granularity full or add --cuda-graph-impl none")
         _require(args.cuda_graph_warmup_steps >= 1, "--cuda-graph-warmup-steps must be >= 1")
+    if "full_iteration" in args.cuda_graph_scope:
+        _require(args.cuda_graph_impl == "local",
+                 "--cuda-graph-scope full_iteration needs megatron-core's graphs: add --cuda-graph-impl local")
+        _require(args.cuda_graph_scope == ["full_iteration"],
+                 "--cuda-graph-scope full_iteration captures whole layers already: give it alone")
 
 
 def _why_no_default_cuda_graphs(args):
@@ -176,8 +181,6 @@ def _why_no_default_cuda_graphs(args):
         return "not on a GPU"
     if args.transformer_impl != "local":
         return "--transformer-impl transformer_engine (ask for --cuda-graph-impl transformer_engine)"
-    if args.tensor_model_parallel_size > 1 or args.pipeline_model_parallel_size > 1:
-        return "not yet verified at TP or PP > 1 (--cuda-graph-impl local turns them on)"
     if args.recompute_granularity == "full":
         return "--recompute-granularity full"
     if args.overlap_param_gather:
