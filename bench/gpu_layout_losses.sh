@@ -3,7 +3,7 @@
 # dropout 0, --use-cpu-initialization (the same start in every layout), 8 iterations of 8 microbatches:
 # DP2 (also with the distributed optimizer), TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each
 # eager and with megatron-core's local CUDA graphs (--cuda-graph-impl local; REPEATS times, 1 by default), on GPUs
-# 0,1 and 2,3 two at a time. For each run it also prints how long the job took to exit after its last iteration (a
+# 0,1 and 2,3 two at a time; MODES=full: one graph of each whole iteration (--cuda-graph-scope full_iteration). For each run it also prints how long the job took to exit after its last iteration (a
 # job that does not exit is stopped after EXIT_WAIT s).
 #   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] [MODES="eager graphs"] [REPEATS=3] bash bench/gpu_layout_losses.sh
 # Outputs under ${RESULTS:-bench_results}/layout_losses.
@@ -46,7 +46,8 @@ for layout in ${CHECK_LAYOUTS:-dp2 dp2_distopt tp2_sp pp2 pp2_vp}; do
             graphs) for ((k = 1; k <= ${REPEATS:-1}; k++)); do
                         runs+=("${layout}_graphs$( ((k > 1)) && echo "_$k")|${LAYOUT[$layout]} --cuda-graph-impl local")
                     done ;;
-            *) echo "MODES: $mode is neither eager nor graphs" >&2; exit 2 ;;
+            full) runs+=("${layout}_full|${LAYOUT[$layout]} --cuda-graph-impl local --cuda-graph-scope full_iteration") ;;
+            *) echo "MODES: $mode is none of eager, graphs and full" >&2; exit 2 ;;
         esac
     done
 done

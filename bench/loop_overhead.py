@@ -117,7 +117,7 @@ def main():
                          f"ours {result['ours_ms_per_iter']:.1f} ms/iter, overhead {result['overhead_percent']:+.2f}% "
                          f"(interquartile {quartiles[0] * 100:+.2f}% .. {quartiles[2] * 100:+.2f}%, "
                          f"{args.bench_pairs} pairs)")
-    shutdown()
+    shutdown(job.trainer.model)
 
 
 if __name__ == "__main__":

@@ -278,7 +278,7 @@ def main():
                          f"training thread on CPU {result['off_cpu_ms_per_iteration']:.1f} ms); "
                          + "; ".join(_mode_summary(mode, result[mode]) for mode in modes[1:])
                          + "; " + _collector_summary(result["collector"]))
-    shutdown()
+    shutdown(job.trainer.model)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 ``--training-ws-port PORT [--training-ws-host 127.0.0.1] [--training-ws-wait]``. Without the port
 flag nothing is installed."""
 
+from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
 
 
@@ -27,6 +28,10 @@ class MegaScopePlugin:
     def validate_args(self, args):
         if not 1 <= args.training_ws_port <= 65535:
             raise ArgumentError(f"--training-ws-port {args.training_ws_port}: a TCP port is 1 .. 65535")
+        # Captures, patches and perturbations are hooks inside the layers, which a replayed graph never calls.
+        return graphs_give_way(args, "off with --training-ws-port: MegaScope reads and edits inside the layers",
+                               f"--training-ws-port reads and edits activations inside the layers, which "
+                               f"--cuda-graph-impl {args.cuda_graph_impl} replays without calling them; drop it")
 
     def after_setup(self, context, model, optimizer, scheduler):
         from megascope.training_session import TrainingSession  # only a run with the flag loads the server

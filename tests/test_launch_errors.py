@@ -51,6 +51,9 @@ CASES = {
         MOCK + ["--attention-backend", "flash", "--attention-dropout", "0.1"], {},
         "--attention-backend flash on CPU has no attention dropout"),
     "CUDA graphs on CPU": (MOCK + ["--enable-cuda-graph"], {}, "--cuda-graph-impl local needs --device cuda"),
+    "whole-iteration graph without graphs": (
+        MOCK + ["--cuda-graph-scope", "full_iteration"], {},
+        "--cuda-graph-scope full_iteration needs megatron-core's graphs: add --cuda-graph-impl local"),
     "two CUDA graph flags that disagree": (
         MOCK + ["--enable-cuda-graph", "--cuda-graph-impl", "none"], {},
         "--enable-cuda-graph means --cuda-graph-impl local; give only one of them"),
