@@ -1,4 +1,4 @@
-"""Dependencies point down (../shared/DESIGN.md): the base (megatron/) imports no plugin, and no package imports
+"""Dependencies point down (docs/design.md): the base (megatron/) imports no plugin, and no package imports
 another package's private names. Read from the source, so a late import inside a function counts too."""
 
 import ast

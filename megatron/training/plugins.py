@@ -1,4 +1,4 @@
-"""The plugin contract of the training loop (see ../shared/DESIGN.md) and the registry that holds the plugins.
+"""The plugin contract of the training loop (see docs/design.md) and the registry that holds the plugins.
 
 A plugin is an object with any subset of the methods of ``Plugin``; the loop calls only those that
 exist. Plugins come from ``BUILTIN_PLUGIN_MODULES`` (the MegatronApp modules, imported when installed)
