@@ -28,7 +28,7 @@ from megatron.training.placement import Launch, configuration_at
 from megatron.training.plugins import JobParts, PluginRegistry, Schedule
 from megatron.training.profiling import build_profiler
 from megatron.training.run_context import RunContext
-from megatron.training.save_dir_checks import claim_save_dir
+from megatron.training.save_dir.checks import claim_save_dir
 from megatron.training.signal_handler import StopSignalAgreement
 from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
