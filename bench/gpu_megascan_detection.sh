@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# MegaScan detection on real GPUs (docs/benchmarks.md, "MegaScan on four GPUs"): traced runs, each
+# MegaScan detection on real GPUs (docs/benchmarks.md, "MegaScan: detection"): traced runs, each
 # aggregated with `tools/aggregate.py -d` on the machine, and with --trace-detect on, so the log holds
 # the online alerts too. Each case in CASES is "<name>:<model>:<layout>:<gpu under load|none>:<duty>:<onset>":
 #   model  tiny (the quickstart's examples/gpt3/train_gpt_tiny.sh job), 345m, 1.3b or 1.3b_mb8

@@ -130,9 +130,9 @@ class IntervalRunner:
         job, registry = self.job, self.trainer.registry
         self.iteration += 1
         started = time.thread_time()
-        registry.call("on_iteration_begin", job.context, self.iteration)
+        registry.on_iteration_begin(job.context, self.iteration)
         self.trainer.train_step(job.train_iterator)
-        registry.call("on_iteration_end", job.context, self.iteration, {})
+        registry.on_iteration_end(job.context, self.iteration, {})
         self.trainer.garbage_collection.after_iteration(self.iteration)
         cpu_seconds.append(time.thread_time() - started)
 

@@ -5,7 +5,7 @@ import ipaddress
 from megadpp.policy import POLICIES
 from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
-from megatron.training.writable_paths import check_new_file_writable
+from megatron.training.save_dir.writable import check_new_file_writable
 
 
 def add_arguments(parser):

@@ -1,8 +1,10 @@
 """MegaDPP's plugin object: the training loop's hooks (see megatron/training/plugins.py)."""
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+import argparse
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -12,28 +14,41 @@ from megadpp.arguments import add_arguments, any_flag_given, stall_timeout, vali
 from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stage_delay
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
+from megatron.training.frozen_args import FrozenArgs
+from megatron.training.plugins import (
+    AddArgumentsHook,
+    AfterSetupHook,
+    ForwardBackwardFuncHook,
+    IsEnabledHook,
+    IterationBeginHook,
+    Schedule,
+    TrainEndHook,
+    ValidateArgsHook,
+)
+from megatron.training.run_context import RunContext
 from megatron.training.training_log import print_rank_0
-from megatron.training.transfer_trace import TransferChannel, TransferTrace
+from megatron.training.transfer_trace import TransferChannel, TransferLabel, TransferTrace
 
 if TYPE_CHECKING:  # importing the transport loads its compiled part: only where --use-dpp asks for it
     from megadpp.transport import TransferEvent
 
 
-class MegaDPPPlugin:
-    def __init__(self):
-        self.schedule = None
-        self.log = None
+class MegaDPPPlugin(AddArgumentsHook, IsEnabledHook, ValidateArgsHook, AfterSetupHook, ForwardBackwardFuncHook,
+                    IterationBeginHook, TrainEndHook):
+    def __init__(self) -> None:
+        self.schedule: DynamicPipelineSchedule | None = None
+        self.log: ScheduleLog | None = None
 
-    def add_arguments(self, parser):
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_arguments(parser)
 
-    def is_enabled(self, args):
+    def is_enabled(self, args: FrozenArgs) -> bool:
         return any_flag_given(args)
 
-    def validate_args(self, args):
+    def validate_args(self, args: FrozenArgs) -> Mapping[str, Any] | None:
         return validate_args(args)
 
-    def after_setup(self, context, model, optimizer, scheduler):
+    def after_setup(self, context: RunContext, model: list[torch.nn.Module], optimizer: Any, scheduler: Any) -> None:
         args = context.args
         if args.dpp_delay_stage is not None:
             install_stage_delay(model, args)
@@ -51,7 +66,7 @@ class MegaDPPPlugin:
                      f"activation cap per stage: {cap}")
 
     @staticmethod
-    def _transport(context):
+    def _transport(context: RunContext) -> tuple[Any, str]:
         """megadpp.transport's choice for the pipeline neighbours (shared memory or CUDA IPC within a node,
         torch.distributed between CPUs of different nodes). The transport reports every transfer into the
         run's transfer-trace sink (host clock times; a tracer, if any, records them)."""
@@ -74,14 +89,14 @@ class MegaDPPPlugin:
         traced = "; --trace records its transfers" if context.transfer_trace.recording else ""
         return create_transport(args, peers, observer=observer), local + traced
 
-    def forward_backward_func(self, context):
+    def forward_backward_func(self, context: RunContext) -> Schedule | None:
         return self.schedule
 
-    def on_iteration_begin(self, context, iteration):
+    def on_iteration_begin(self, context: RunContext, iteration: int) -> None:
         if self.log is not None:
             self.log.iteration = iteration
 
-    def on_train_end(self, context, iteration):
+    def on_train_end(self, context: RunContext, iteration: int) -> None:
         if self.schedule is not None:
             self.schedule.transport.close()
         if self.log is not None:
@@ -94,8 +109,9 @@ def transfer_reporter(sink: TransferTrace, channel: TransferChannel,
     """The transport's observer: each completed transfer (a TransferEvent) into the run's sink, its peer as a
     launch rank (``rank_offset``: the launch rank of this world's rank 0)."""
 
-    def report(event):
+    def report(event: "TransferEvent") -> None:
+        label = event.label if isinstance(event.label, TransferLabel) else None  # the schedule's (runtime.py)
         sink.report(event.op, channel, event.peer + rank_offset, event.nbytes, None, event.seq, event.start_ns,
-                    event.end_ns, event.label)
+                    event.end_ns, label)
 
     return report

@@ -31,6 +31,7 @@ from megadpp.policy import StaticFirstPolicy
 from megadpp.progress import StageProgress
 from megadpp.static_orders import static_order
 from megatron.training.errors import UserError
+from megatron.training.transfer_trace import TransferLabel
 
 _KINDS = (FORWARD, BACKWARD)
 _KIND_NAMES = {FORWARD: "forward", BACKWARD: "backward"}  # a message's phase: "forward-send", ... (megatron's)
@@ -80,7 +81,7 @@ class _Inbox:
         self.remaining[key] -= 1
         peer_rank, _ = (self.layout.upstream if kind == FORWARD else self.layout.downstream)(chunk)
         handle = self.transport.irecv(self.pipeline_ranks[peer_rank], tag=channel_of(kind, chunk, self.layout.chunks))
-        handle.label = (f"{_KIND_NAMES[kind]}-recv", microbatch, chunk)
+        handle.label = TransferLabel(f"{_KIND_NAMES[kind]}-recv", microbatch, chunk)
         self.pending[key] = handle
 
     def poll(self):
@@ -287,7 +288,7 @@ class _Iteration:
         """Send what ``action`` produced to the chunk that takes it."""
         channel = channel_of(action.kind, peer_chunk, self.layout.chunks)
         handle = self.schedule.transport.isend(tensor, self.pipeline_ranks[peer_rank], tag=channel)
-        handle.label = (f"{_KIND_NAMES[action.kind]}-send", action.microbatch, action.chunk)
+        handle.label = TransferLabel(f"{_KIND_NAMES[action.kind]}-send", action.microbatch, action.chunk)
         self.sends.append(handle)
 
     # -- gradient and parameter synchronisation (as megatron-core's interleaved schedule) ---------------

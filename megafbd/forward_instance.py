@@ -66,7 +66,7 @@ class ForwardInstance:
         self.device = torch.device(torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
         # The other plugins see this loop as a training loop without an optimizer (MegaScan traces it).
         self.plugins = parts.registry
-        self.plugins.call("after_setup", context, [self.model], None, None)
+        self.plugins.after_setup(context, [self.model], None, None)
         self.forward_pass = self.plugins.wrap_schedule(context, self._forward_microbatches)
 
     def _on_sigterm(self, signum, frame):
@@ -94,18 +94,18 @@ class ForwardInstance:
             # The iteration (and its trace) begins with the weights' arrival: the backward instances send
             # them with the command. Those of step iteration-1 are on their way; the model must hold step
             # iteration-1-staleness.
-            self.plugins.call("on_iteration_begin", self.context, iteration)
+            self.plugins.on_iteration_begin(self.context, iteration)
             self._post_weights(pending, up_to=iteration - 1)
             self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
             if self.instance.draws_dropout and not self.last:
                 load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
             self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
                               model=[self.model])
-            self.plugins.call("on_iteration_end", self.context, iteration, {"losses": {}, "grad_norm": None,
+            self.plugins.on_iteration_end(self.context, iteration, {"losses": {}, "grad_norm": None,
                                                                            "skipped": False})
             self.weights.check_loaded()
             iterations += 1
-        self.plugins.call("on_train_end", self.context, iteration)
+        self.plugins.on_train_end(self.context, iteration)
         self.coordinator.close()
         self._report(iterations)
 

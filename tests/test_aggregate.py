@@ -16,9 +16,9 @@ from helpers.launch import REPO
 
 from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace
-from megascan.aggregate.cli import main
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_records import ComputeEvent
+from megascan.aggregate_cli import main
 from megascan.detection import detect
 from megascan.detection.compute import KnownTpWaits, operation_totals, tp_waits_known
 from megascan.simulation.synthetic_traces import op_key, read_lines, write_lines, write_run

@@ -24,10 +24,10 @@ from helpers.launch import (
 from helpers.readme_commands import as_launched, readme_commands
 
 from megatron.training.arguments import parse_args
-from megatron.training.checkpoint_checks import damaged_file
 from megatron.training.errors import UserError
-from megatron.training.save_dir_checks import checkpoint_size_estimate
-from megatron.training.save_lock import LOCK_FILENAME, release_save_locks, take_save_lock
+from megatron.training.save_dir.checkpoints import damaged_file
+from megatron.training.save_dir.checks import checkpoint_size_estimate
+from megatron.training.save_dir.lock import LOCK_FILENAME, release_save_locks, take_save_lock
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.validate_args import validate_args
 

@@ -7,10 +7,10 @@ import socket
 import subprocess
 
 import pytest
-from output_dir import written_atomically
-from staging import remove_leftovers
 
 from megatron.training.errors import UserError
+from megatron.training.save_dir.conversion_output import written_atomically
+from megatron.training.save_dir.conversion_staging import remove_leftovers
 
 
 def test_a_parent_that_takes_nothing_is_one_line_and_nothing_is_made(tmp_path):

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from megascan.aggregate import load_and_merge
-from megascan.aggregate.window_verdicts import judge_windows
 from megascan.detection import detect
+from megascan.detection.window_verdicts import judge_windows
 from megascan.online_detection import judge, summarize
 from megascan.simulation.detection_cases import check, scenarios
 from megascan.simulation.simulated_traces import Scenario, simulate

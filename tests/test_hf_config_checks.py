@@ -7,9 +7,9 @@ it was loaded."""
 import convert
 import pytest
 from llama_config import llama_shape
-from output_dir import check_tokenizer
 
 from megatron.training.errors import ArgumentError, UserError
+from megatron.training.save_dir.conversion_output import check_tokenizer
 
 LLAMA = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 96,
          "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 300,

@@ -30,7 +30,6 @@ from helpers.launch import (
     torchrun,
 )
 from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-from output_dir import written_atomically
 from safetensors.torch import load_file
 from transformers import (
     LlamaConfig,
@@ -42,6 +41,7 @@ from transformers import (
 )
 
 from megatron.training.errors import UserError
+from megatron.training.save_dir.conversion_output import written_atomically
 from megatron.training.tokenizer.build import vocab_size_with_padding
 
 VOCAB = 300  # not a multiple of 128: the converted embedding carries padding rows

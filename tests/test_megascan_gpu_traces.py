@@ -4,9 +4,9 @@ import json
 from pathlib import Path
 
 from megascan.aggregate import load_and_merge
-from megascan.aggregate.cli import main
-from megascan.aggregate.window_verdicts import judge_windows
+from megascan.aggregate_cli import main
 from megascan.detection import detect
+from megascan.detection.window_verdicts import judge_windows
 
 DATA = Path(__file__).parent / "data"
 LATE_ONSET = DATA / "dp4_late_onset_h100"

@@ -11,8 +11,8 @@ from megadpp.arguments import add_arguments as add_dpp_arguments
 from megadpp.arguments import validate_args as validate_dpp_args
 from megatron.training.arguments import parse_args
 from megatron.training.errors import UserError
-from megatron.training.save_dir_checks import short_of_space_warning
-from megatron.training.save_lock import release_save_locks, take_save_lock
+from megatron.training.save_dir.checks import short_of_space_warning
+from megatron.training.save_dir.lock import release_save_locks, take_save_lock
 from megatron.training.validate_args import validate_args
 
 MOCK = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -94,7 +94,7 @@ def test_a_run_that_would_move_the_save_tracker_backwards_is_refused_unless_aske
 
 def test_the_save_lock_names_its_holder_and_dies_with_it(tmp_path):
     holder = subprocess.Popen(
-        [sys.executable, "-c", ("import sys; from megatron.training.save_lock import take_save_lock; "
+        [sys.executable, "-c", ("import sys; from megatron.training.save_dir.lock import take_save_lock; "
                                 f"take_save_lock({str(tmp_path)!r}); print('locked', flush=True); sys.stdin.read()")],
         cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

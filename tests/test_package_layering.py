@@ -1,5 +1,6 @@
-"""Dependencies point down (../shared/DESIGN.md): the base (megatron/) imports no plugin, and no package imports
-another package's private names. Read from the source, so a late import inside a function counts too."""
+"""Dependencies point down (docs/design.md): the base (megatron/) imports no plugin, no plugin imports another,
+no package imports another package's private names, and no two parts import each other. Read from the source, so
+a late import inside a function (or one for type checking only) counts too."""
 
 import ast
 from pathlib import Path
@@ -18,6 +19,18 @@ def _imports(folder):
                     yield path, node.lineno, alias.name, []
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
                 yield path, node.lineno, node.module, [alias.name for alias in node.names]
+
+
+def _module_name(path):
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _part(module):
+    """What an import loop is judged between: a module of a package's top level (``megatron.training.plugins``,
+    ``megascan.recorder``), or a subpackage as a whole (``megascan.aggregate``, ``megascan.detection``)."""
+    depth = 3 if module.startswith("megatron.") else 2
+    return ".".join(module.split(".")[:depth])
 
 
 def _package(module):
@@ -41,3 +54,41 @@ def test_no_private_name_crosses_packages():
             if module.split(".")[0] in PACKAGES and _package(module) != own and private:
                 found.append(f"{path.relative_to(REPO)}:{line} imports {private} from {module}")
     assert found == []
+
+
+def test_no_plugin_imports_another():
+    found = [f"{path.relative_to(REPO)}:{line} imports {module}"
+             for plugin in PLUGINS for path, line, module, _ in _imports(plugin)
+             if module.split(".")[0] in PLUGINS and module.split(".")[0] != plugin]
+    assert found == []
+
+
+def _import_graph():
+    """{part: the parts it imports}, over the base and the plugins (see ``_part``)."""
+    folders = ("megatron/training", "megatron/inference", *PLUGINS)
+    modules = {_module_name(path) for folder in folders for path in (REPO / folder).rglob("*.py")}
+    graph = {_part(module): set() for module in modules}
+    for folder in folders:
+        for path, _, module, names in _imports(folder):
+            targets = [f"{module}.{name}" if f"{module}.{name}" in modules else module for name in names] or [module]
+            here = _part(_module_name(path))
+            graph[here] |= {_part(target) for target in targets if target in modules and _part(target) != here}
+    return graph
+
+
+def _reachable(graph, start):
+    seen, todo = set(), [start]
+    while todo:
+        for following in graph[todo.pop()] - seen:
+            seen.add(following)
+            todo.append(following)
+    return seen
+
+
+def test_no_two_parts_import_each_other():
+    """E.g. the loop's contract (plugins.py) and the loop (training.py); MegaScan's aggregate/, which merges
+    traces, and detection/, which judges the merged trace (the command that runs both is aggregate_cli.py)."""
+    graph = _import_graph()
+    loops = sorted(f"{part} -> {other} -> ... -> {part}" for part in graph for other in graph[part]
+                   if part in _reachable(graph, other))
+    assert loops == []

@@ -101,10 +101,10 @@ class _Normaliser:
 def test_a_plugin_writing_the_configuration_gets_a_clear_error_and_validation_normalises_by_returning():
     context = _context(train_iters=10)
     registry = PluginRegistry([_Writer()])
-    registry.enabled = registry.plugins
+    registry.select_enabled(argparse.Namespace())
     with pytest.raises(FrozenArgsError, match=r"^cannot set args\.train_iters: the configuration is read-only "
                                               r"once validated: .* context\.request_stop\(reason\)$"):
-        registry.call("on_iteration_end", context, 3, {})
+        registry.on_iteration_end(context, 3, {})
     assert context.args.train_iters == 10
     with pytest.raises(FrozenArgsError, match=r"^cannot delete args\.train_iters"):
         del context.args.train_iters

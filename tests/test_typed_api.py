@@ -1,4 +1,4 @@
-"""Every public function of the typed APIs has type hints (../shared/DESIGN.md): the transport, the MegaScope
+"""Every public function of the typed APIs has type hints (docs/design.md): the transport, the MegaScope
 wire protocol and the generation server's request parsing, and the aggregation and detection APIs."""
 
 import ast

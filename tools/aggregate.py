@@ -4,7 +4,7 @@
 
 import sys
 
-from megascan.aggregate.cli import main
+from megascan.aggregate_cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

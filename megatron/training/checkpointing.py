@@ -22,32 +22,19 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.atomic_file import replaced_on_success
-from megatron.training.checkpoint_checks import damaged_file, what_to_do
 from megatron.training.checkpoint_model import check_model_args, model_args
 from megatron.training.errors import UserError
-from megatron.training.writable_paths import nearest_existing
+from megatron.training.save_dir.checkpoints import (
+    TRACKER_FILENAME,
+    checkpoint_dir,
+    damaged_file,
+    read_tracker,
+    what_to_do,
+)
+from megatron.training.save_dir.writable import nearest_existing
 
-TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
 IN_PROGRESS_SUFFIX = ".inprogress"
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-
-
-def checkpoint_dir(root, iteration):
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_tracker(root, flag="--load"):
-    """The iteration named by the tracker file, or None when ``root`` (given as ``flag``) has no checkpoint yet."""
-    path = os.path.join(root, TRACKER_FILENAME)
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as tracker:  # bytes: a damaged tracker need not be text
-        content = tracker.read().strip()
-    if not content.isdigit():  # bytes.isdigit: ASCII digits only
-        shown = repr(content.decode("ascii")[:40]) if content.isascii() else repr(content[:40])
-        raise UserError(f"{flag}: {path} should hold an iteration number but holds {shown}; "
-                        f"{what_to_do(root, path, flag=flag)}")
-    return int(content)
 
 
 def _model_key(index, model):

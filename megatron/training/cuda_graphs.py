@@ -12,6 +12,7 @@ pipeline's transfers) is alive, and the job would never exit.
 
 import contextlib
 import gc
+from typing import Any
 
 import torch
 from megatron.core.full_cuda_graph import FullCudaGraphWrapper
@@ -57,7 +58,7 @@ def release_cuda_graphs(model_chunks=()):
     torch.cuda.synchronize()
 
 
-def graphs_give_way(args, module_note: str, refusal: str):
+def graphs_give_way(args: Any, module_note: str, refusal: str) -> dict[str, str] | None:
     """For a plugin that cannot run with CUDA-graphed layers: the values its validation normalises. Graphs that
     were only the default give way (the start-up line says ``module_note``); graphs the user asked for are
     refused in one line (``refusal``). None when graphs are off anyway."""

@@ -12,7 +12,7 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 from megatron.training.cpu_compat import install_cpu_compat
 from megatron.training.cuda_graphs import release_cuda_graphs
 from megatron.training.placement import Launch
-from megatron.training.save_lock import release_save_locks
+from megatron.training.save_dir.lock import release_save_locks
 
 
 def _use_deterministic_kernels():

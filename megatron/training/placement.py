@@ -54,7 +54,7 @@ class Placement:
     launch_rank: int
     worlds: tuple[World, ...]
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         expected = 0
         for world in self.worlds:
             if world.first_rank != expected or world.size < 1:

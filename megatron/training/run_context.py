@@ -27,7 +27,7 @@ class RunContext:
                  launch_store: torch.distributed.Store | None = None):
         self._args, self._placement, self._transfer_trace = args, placement, transfer_trace
         self._launch_store = launch_store
-        self._stop_reason = None
+        self._stop_reason: str | None = None
 
     @property
     def args(self) -> FrozenArgs:

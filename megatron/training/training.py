@@ -27,10 +27,10 @@ from megatron.training.initialize import initialize_megatron, open_launch_store,
 from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
 from megatron.training.placement import Launch, configuration_at
-from megatron.training.plugins import PluginRegistry, Schedule
+from megatron.training.plugins import JobParts, PluginRegistry, Schedule
 from megatron.training.profiling import build_profiler
 from megatron.training.run_context import RunContext
-from megatron.training.save_dir_checks import claim_save_dir
+from megatron.training.save_dir.checks import claim_save_dir
 from megatron.training.signal_handler import StopSignalAgreement
 from megatron.training.tensorboard_log import TensorBoardLog
 from megatron.training.tokenizer import build_tokenizer
@@ -150,10 +150,10 @@ class Trainer:
         while state.iteration < until and context.stop_reason is None:
             if self.profiler is not None:
                 self.profiler.iteration_begin(state.iteration + 1)
-            self.registry.call("on_iteration_begin", context, state.iteration + 1)
+            self.registry.on_iteration_begin(context, state.iteration + 1)
             losses, grad_norm, skipped = self.train_step(train_iterator)
             state.iteration += 1
-            self.registry.call("on_iteration_end", context, state.iteration,
+            self.registry.on_iteration_end(context, state.iteration,
                                {"losses": losses, "grad_norm": grad_norm, "skipped": skipped})
             log.record(state.iteration, losses, grad_norm, skipped, self.scheduler.get_lr(
                 self.optimizer.param_groups[0]))
@@ -197,17 +197,6 @@ def build_iterators(args, dataset_provider, tokenizer, num_chunks, consumed_samp
 
 
 @dataclass
-class JobParts:
-    """What a plugin that runs a process's whole job (``run_process``) builds its work from."""
-
-    tokenizer: object
-    model_provider: object
-    dataset_provider: object
-    forward_step_func: object
-    registry: PluginRegistry  # the other plugins' hooks (tracing) for the process's own loop
-
-
-@dataclass
 class Job:
     """Everything a training run is made of, once set up."""
 
@@ -246,11 +235,11 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
     args = configuration_at(args, placement)  # read-only from here on
     start = time.time()
     context = RunContext(args, placement, TransferTrace(), open_launch_store(args))
-    initialize_megatron(args, functools.partial(registry.first_that_handles, "start_process_group", context),
+    initialize_megatron(args, functools.partial(registry.start_process_group, context),
                         context.launch_store)
     parts = JobParts(tokenizer, functools.partial(model_provider, args), dataset_provider,
                      functools.partial(forward_step_func, args), registry)
-    if registry.first_that_handles("run_process", context, parts):
+    if registry.run_process(context, parts):
         shutdown()
         return None
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(model_provider, args))
@@ -265,7 +254,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
                  f"parameters on rank 0, "
                  f"starting at iteration {state.iteration}; attention: {attention_summary(args)}; "
                  f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})")
-    registry.call("after_setup", context, model, optimizer, scheduler)
+    registry.after_setup(context, model, optimizer, scheduler)
     iterators = build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
     trainer = Trainer(context, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
     return Job(context, trainer, state, *iterators)
@@ -286,5 +275,5 @@ def pretrain(argv, **entry_point):
         log_evaluation("test", state.iteration, trainer.evaluate(job.test_iterator, args.eval_iters),
                        trainer.tensorboard)
     trainer.close(state.iteration)
-    trainer.registry.call("on_train_end", job.context, state.iteration)
+    trainer.registry.on_train_end(job.context, state.iteration)
     shutdown(trainer.model)

@@ -67,7 +67,7 @@ class TransferTrace:
     ``start`` may be called on one thread and ``end`` on another (a thread that waits for a send's
     completion): ``end`` takes what ``start`` returned."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._recorder: TransferSink = NoTransferRecording()
 
     def install(self, recorder: TransferSink) -> None:

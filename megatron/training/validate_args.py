@@ -10,8 +10,8 @@ import torch
 from megatron.training.checkpointing import read_tracker
 from megatron.training.data import blend_from_args
 from megatron.training.errors import ArgumentError
-from megatron.training.save_dir_checks import check_save_dir
-from megatron.training.writable_paths import check_directory_writable
+from megatron.training.save_dir.checks import check_save_dir
+from megatron.training.save_dir.writable import check_directory_writable
 
 
 def _require(condition, message):

@@ -18,11 +18,11 @@ from host_memory import return_freed_memory
 from llama_config import llama_shape, read_config
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from output_dir import copy_hf_side_files, written_atomically
 from safetensors.torch import save_file
 
 from megatron.training.checkpointing import checkpoint_dir, read_tracker
 from megatron.training.errors import UserError
+from megatron.training.save_dir.conversion_output import copy_hf_side_files, written_atomically
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 

@@ -17,13 +17,13 @@ import torch
 from llama_config import check_layout, llama_shape, read_config
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from output_dir import check_tokenizer, copy_hf_side_files, written_atomically
 from shard_reader import ShardReader
 from streaming_save import StreamingTorchDistSaveStrategy, placeholder
 
 from megatron.training.checkpoint_model import model_args
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir
 from megatron.training.errors import UserError
+from megatron.training.save_dir.conversion_output import check_tokenizer, copy_hf_side_files, written_atomically
 
 ITERATION = 1  # Megatron-LM's converter saves iteration 1 too; --finetune restarts at 0
 

@@ -4,19 +4,18 @@
 - A run must not move its tracker backwards: a run that starts before the latest checkpoint there (no
   --load of it, --finetune, or --load of an earlier one elsewhere) would make its own earlier
   iterations the latest ones, without a word. Refused unless --override-save.
-- Rank 0 locks it for the job's life (save_lock.py) and warns when its disk has less room than one
+- Rank 0 locks it for the job's life (lock.py) and warns when its disk has less room than one
   checkpoint needs (a full disk fails the save; the previous checkpoint stays the latest).
 """
 
 import os
 import shutil
 
-from megatron.training.checkpoint_checks import iterations_present
-from megatron.training.checkpointing import read_tracker
 from megatron.training.errors import UserError
 from megatron.training.flops import layer_matrix_weights
-from megatron.training.save_lock import take_save_lock
-from megatron.training.writable_paths import check_directory_writable, nearest_existing
+from megatron.training.save_dir.checkpoints import iterations_present, read_tracker
+from megatron.training.save_dir.lock import take_save_lock
+from megatron.training.save_dir.writable import check_directory_writable, nearest_existing
 
 
 def check_save_dir(args) -> None:

@@ -5,10 +5,10 @@ import errno
 import os
 import shutil
 
-from staging import StagingDirectory
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron.training.errors import UserError
+from megatron.training.save_dir.conversion_staging import StagingDirectory
 
 # Files of a Hugging Face tokenizer (and generation defaults) that travel with the weights.
 HF_SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",

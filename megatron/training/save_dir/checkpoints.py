@@ -1,4 +1,5 @@
-"""What is wrong with a ``--load`` checkpoint, in one line, before megatron-core tries to read it.
+"""A checkpoint directory as Megatron-LM lays it out (``iter_XXXXXXX/``, the tracker file naming the latest),
+and what is wrong with a ``--load`` checkpoint, in one line, before megatron-core tries to read it.
 
 A damaged file inside a checkpoint (a shard cut short by a full disk or an interrupted copy) makes
 megatron-core's loader fail on every rank with hundreds of lines that never name the file. Its
@@ -11,6 +12,8 @@ import pickle
 import re
 
 from torch.distributed.checkpoint import FileSystemReader
+
+from megatron.training.errors import UserError
 
 _ITERATION_DIR = re.compile(r"^iter_(\d{7})$")
 _COMMON_FILES = ("common.pt", "metadata.json", ".metadata")
@@ -56,3 +59,24 @@ def damaged_file(directory):
         if os.path.getsize(path) < size:
             return f"{path} is cut short ({os.path.getsize(path)} of {size} bytes)"
     return None
+
+
+TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(root, iteration):
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root, flag="--load"):
+    """The iteration named by the tracker file, or None when ``root`` (given as ``flag``) has no checkpoint yet."""
+    path = os.path.join(root, TRACKER_FILENAME)
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as tracker:  # bytes: a damaged tracker need not be text
+        content = tracker.read().strip()
+    if not content.isdigit():  # bytes.isdigit: ASCII digits only
+        shown = repr(content.decode("ascii")[:40]) if content.isascii() else repr(content[:40])
+        raise UserError(f"{flag}: {path} should hold an iteration number but holds {shown}; "
+                        f"{what_to_do(root, path, flag=flag)}")
+    return int(content)

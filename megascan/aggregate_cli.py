@@ -20,8 +20,8 @@ from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import MergedTrace, load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
-from megascan.aggregate.window_verdicts import judge_windows, verdicts_text
 from megascan.detection import detect
+from megascan.detection.window_verdicts import judge_windows, verdicts_text
 from megatron.training.atomic_file import replaced_on_success
 from megatron.training.garbage_collection import cycle_collection_paused
 
