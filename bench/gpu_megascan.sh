@@ -6,7 +6,7 @@
 #     parallelism, "pp2" PP2 x DP2),
 #     ROUNDS rounds each (10), each layout's job stopped after LAYOUT_TIMEOUT seconds (300), with the flags
 #     in EXTRA added (e.g. "--manual-gc", or "--bench-modes off,base --trace-granularity base": a base-traced job,
-#     which keeps the CUDA graphs on by default at TP1 and PP1) and TAG appended to the names of its outputs;
+#     which keeps the CUDA graphs on by default) and TAG appended to the names of its outputs;
 #  2. traced runs for detection at the cases in DETECT, "<layout>:<gpu under load or none>": the
 #     competing workload (scripts/gpu_load.py) runs on that GPU during the whole run.
 # Outputs (JSON, logs, trace directories) under ${RESULTS:-bench_results}; aggregate them with

@@ -66,8 +66,8 @@ def _add_kernel_args(parser):
     g.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default=None,
                    help="capture each transformer layer's forward and backward as CUDA graphs after "
                         "--cuda-graph-warmup-steps iterations (local: megatron-core's own graphs). Default: "
-                        "local on a GPU where verified (TP1, PP1, local implementation, no full "
-                        "recomputation); none otherwise; the start-up log says which and why")
+                        "local on a GPU at every layout (local implementation, no full recomputation, no "
+                        "--overlap-param-gather); none otherwise; the start-up log says which and why")
     g.add_argument("--enable-cuda-graph", action="store_true", help="same as --cuda-graph-impl local")
     g.add_argument("--cuda-graph-scope", nargs="*", default=[], choices=["attn", "mlp", "full_iteration"],
                    help="parts of each layer to capture (default: the whole layer), or full_iteration: the whole "
