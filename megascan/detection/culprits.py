@@ -7,9 +7,10 @@ pace. A victim's own work is as fast as its peers', and a healthy GPU that happe
 its group is only a few percent slower, so neither passes both tests.
 
 A rank whose delay its host set is not a slow GPU: where the trace has the host's issue times, the delay
-it caused splits into its host's part (its GPU waited for launches: data loading, Python, a busy CPU)
-and its GPU's; where the host's part is the larger, the rank is listed as host-bound, apart from the
-suspects. A host-timed trace (CPU) has one clock for both; there, own work slower than the peers' while
+it caused splits into its host's part (its GPU sat idle waiting for launches: data loading, Python, a busy CPU)
+and its GPU's (its work ran longer, including while its host was blocked on the GPU's full launch queue, which
+is the GPU's back-pressure, not the host's pace); where the host's part is the larger, the rank is listed as
+host-bound, apart from the suspects. A host-timed trace (CPU) has one clock for both; there, own work slower than the peers' while
 the rank's traced compute (its layers) is not, lies outside the model's compute: host-bound as well.
 """
 
@@ -82,9 +83,10 @@ def _masked_evidence(delay, named, attribution):
 
 def _split_evidence(delay):
     host_ms = delay.caused_host_us / 1e3
-    # A slow GPU's host often runs ahead of its peers' (it waits for its GPU less often): a negative host part.
-    host = (f"{host_ms:.1f} ms came from its host issuing later than its peers'" if host_ms >= 0 else
-            f"its host issued {-host_ms:.1f} ms ahead of its peers' (not late)")
+    # A slow GPU has work queued more often than its peers', so it waits for launches less: a negative host part.
+    host = (f"{host_ms:.1f} ms came from its GPU waiting for its host's launches longer than its peers' GPUs"
+            if host_ms >= 0 else
+            f"its GPU waited for its host's launches {-host_ms:.1f} ms less than its peers' (its host was not late)")
     return (f"host or GPU: of the {delay.caused_us / 1e3:.1f} ms others waited for it, {host}, and "
             f"{delay.caused_device_us / 1e3:.1f} ms came from its GPU running longer; its GPU waited for launches "
             f"{100 * delay.launch_wait_share:.0f}% of its own work between synchronisations (its peers: "

@@ -150,23 +150,19 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
 def _split_host_and_device(timelines, waited_for, ranks):
     """RankDelay.caused_host_us / caused_device_us and the launch-wait shares, where host issue times are known.
 
-    The host's part of an excess is its issue interval's excess (a host that issued later than its peers'),
-    the GPU's part its device work's excess. A rank whose host ran ahead while it waited (a victim) has short
-    own work on the GPU, so a peer that did not is not charged for that: its host interval is as its peers'."""
-    interval, device, wait = timelines.host_interval(), timelines.device_work(), timelines.host_wait()
-    # An iteration's first record has no earlier issue to pace the host by: there the host's part is the time
-    # its GPU waited for the launch. (In a data-parallel job that record, the gradients' all-reduce after the
-    # whole backward, holds nearly all of a slow replica's excess.)
-    host_part = np.where(np.isnan(interval), wait, interval)
-    known = ~np.isnan(host_part)
+    The host's part of an excess is the excess of the time its GPU sat idle waiting for launches
+    (``RankTimelines.host_wait``), the GPU's part its device work's excess. Not the host's issue intervals: a host
+    blocked on its slow GPU's full launch queue issues as late as that GPU lets it (back-pressure)."""
+    device, wait = timelines.device_work(), timelines.host_wait()
+    known = ~np.isnan(wait)
     if not known.any():
         return
     expected_host, expected_device = np.full(len(known), np.nan), np.full(len(known), np.nan)
-    expected_host[known] = medians_of_others(host_part[known], timelines.role_key[known])
+    expected_host[known] = medians_of_others(wait[known], timelines.role_key[known])
     expected_device[known] = medians_of_others(device[known], timelines.role_key[known])
     caused = waited_for[~np.isnan(expected_host[waited_for])]
     span = int(timelines.rank.max()) + 1
-    host_excess = np.bincount(timelines.rank[caused], weights=host_part[caused] - expected_host[caused],
+    host_excess = np.bincount(timelines.rank[caused], weights=wait[caused] - expected_host[caused],
                               minlength=span)
     device_excess = np.bincount(timelines.rank[caused], weights=device[caused] - expected_device[caused],
                                 minlength=span)

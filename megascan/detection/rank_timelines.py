@@ -12,9 +12,9 @@ them): nobody else could make that time shorter or longer. Every record therefor
   whatever the group ids. The key is (stage, iteration, role, kind, peer offset, n);
 - ``host``: when the rank's host issued it, where the trace times the device apart from the host
   (CUDA events). The GPU cannot reach an op before its host issued it: of the own work before an
-  arrival, the part from the previous finish to the issue is time the GPU waited for launches
-  (``host_wait``), the rest the GPU's own (``device_work``); the host's own pace is the time between
-  its issues of the two records (``host_interval``), whatever its GPU did meanwhile;
+  arrival that the GPU reached right after the issue, the part from the previous finish to the issue is time
+  the GPU waited for launches (``host_wait``), the rest the GPU's own (``device_work``); the host's own pace is
+  the time between its issues of the two records (``host_interval``), whatever its GPU did meanwhile;
 - ``opaque``: whether the rank passed synchronisations it did not record (``--trace-tp-microbatches``)
   since its previous record: its gap then holds waits nobody measured, so it is not its own work.
 
@@ -31,6 +31,9 @@ import numpy as np
 from megascan.aggregate.merged_trace import MergedTrace
 
 NO_RECORD = -1
+# An op that the GPU reached this long after its host issued it found the GPU busy with work launched earlier (a
+# launch reaches an idle GPU within microseconds; the host and device clocks agree to about 10 us once aligned).
+PENDING_WORK_US = 100.0
 
 
 @dataclass
@@ -51,8 +54,13 @@ class RankTimelines:
 
     def host_wait(self) -> np.ndarray:
         """Per record: the part of its own work before arriving in which its GPU waited for its host to
-        issue the op (from the previous finish to the issue; nan where the host's issue time is unknown)."""
-        return np.clip(self.host - (self.start - self.gap), 0.0, self.gap)
+        issue the op (from the previous finish to the issue; nan where the host's issue time is unknown).
+
+        Only where the GPU reached the op as soon as it was issued: a GPU that reached it long after the issue
+        was still running work launched before it, and so was never idle for its host. A host that issues late
+        because it blocked on its GPU's full launch queue is paced by that GPU (back-pressure), not the reverse."""
+        waited = np.clip(self.host - (self.start - self.gap), 0.0, self.gap)
+        return np.where(self.start - self.host > PENDING_WORK_US, 0.0, waited)
 
     def device_work(self) -> np.ndarray:
         """Per record: the rest of its own work, its GPU's: from the issue (or the previous finish) to arriving."""

@@ -16,6 +16,8 @@ SLOW_LINK_FACTOR = 6.0  # a link degraded to a sixth of its bandwidth (PCIe inst
 HOST_BOUND_COST = 1.3  # a host-bound job: hosts take 1.3x the GPU's time to issue its work
 SLOW_HOST_FACTOR = 5.0  # a host five times slower: in a GPU-bound job (hosts at 0.3x) it issues at 1.5x the GPU
 SLOW_GPU_IN_HOST_BOUND_JOB = 1.6  # slower than the hosts issue (1.3x): the job waits for it
+SLOW_GPU_BEHIND_FULL_QUEUE = 1.3
+FULL_LAUNCH_QUEUE_US = 3_000.0  # two layer halves of work issued ahead: the hosts block on every GPU, the slow one most
 HANG_OPERATIONS = ("tp", "send", "recv", "grads", "embedding", "grad-norm", "start")
 
 
@@ -104,6 +106,11 @@ def _host_bound_cases(layout, roles, base):
     cases.append((Scenario(f"host-bound job, slow GPU {SLOW_GPU_IN_HOST_BOUND_JOB}x", host_cost=HOST_BOUND_COST,
                            culprits={roles["last stage"]: SLOW_GPU_IN_HOST_BOUND_JOB}, **base),
                   {"slow": {roles["last stage"]}}))
+    # A fast host blocked on its slow GPU's full launch queue: back-pressure, the GPU's fault.
+    slowed = peer if peer is not None else first
+    cases.append((Scenario(f"slow GPU {SLOW_GPU_BEHIND_FULL_QUEUE}x behind a full launch queue",
+                           launch_queue_us=FULL_LAUNCH_QUEUE_US, culprits={slowed: SLOW_GPU_BEHIND_FULL_QUEUE},
+                           **base), {"slow": {slowed}}))
     return cases
 
 

@@ -57,6 +57,7 @@ class Scenario:
     anchor_error_us: float = 5.0
     host_cost: float = GPU_BOUND_HOST_COST  # > 1: a host-bound job (training_simulator.py)
     host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time: a host-bound rank
+    launch_queue_us: float | None = None  # GPU time its host may run ahead of each GPU (training_simulator.py)
 
     @property
     def layout(self):
@@ -137,7 +138,8 @@ def simulate(scenario, directory):
     hang = scenario.hang and (scenario.hang[0], scenario.hang[1],
                               hang_step(layout, scenario.hang[0], *scenario.hang[2:]))
     faults = Faults(compute_speeds(layout.world_size, scenario.speed_spread, scenario.culprits, rng),
-                    dict(scenario.slow_links), hang, scenario.host_cost, dict(scenario.host_slow))
+                    dict(scenario.slow_links), hang, scenario.host_cost, dict(scenario.host_slow),
+                    scenario.launch_queue_us)
     clock = HostClocks(scenario, rng)
     table, _ = layout.groups()
     lines = {rank: [_metadata(scenario, rank)] for rank in range(layout.world_size)}

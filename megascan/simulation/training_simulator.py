@@ -53,6 +53,10 @@ class Faults:
     # host time to issue work, per unit of its nominal GPU time (> 1: host-bound)
     host_cost: float = GPU_BOUND_HOST_COST
     host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time (a slow host, not a slow GPU)
+    # The GPU time of work a host may have issued ahead of its GPU (None: no limit). A real launch queue is
+    # bounded: once it is full the host blocks until its GPU drains it, so a slow GPU paces its host's issues
+    # (back-pressure) although the host itself is fast.
+    launch_queue_us: float | None = None
 
 
 @dataclass
@@ -129,6 +133,8 @@ class WindowSimulation:
                 # The kernels run as they are issued: the GPU's own time, or the host's issuing, whichever is longer.
                 end = max(start + step[4] * speed * (1.0 + self.rng.gauss(0.0, COMPUTE_JITTER)) * LAYER_HALF_US,
                           state.host + LAUNCH_US)
+                if self.faults.launch_queue_us is not None:  # a full queue: the host waits for room in it
+                    state.host = max(state.host, end - self.faults.launch_queue_us)
                 if step[1] is not None:
                     events.append((step[1], state.iteration, step[2], step[3], start, end))
                 state.time = end
