@@ -10,8 +10,9 @@ A rank whose delay its host set is not a slow GPU: where the trace has the host'
 it caused splits into its host's part (its GPU sat idle waiting for launches: data loading, Python, a busy CPU)
 and its GPU's (its work ran longer, including while its host was blocked on the GPU's full launch queue, which
 is the GPU's back-pressure, not the host's pace); where the host's part is the larger, the rank is listed as
-host-bound, apart from the suspects. A host-timed trace (CPU) has one clock for both; there, own work slower than the peers' while
-the rank's traced compute (its layers) is not, lies outside the model's compute: host-bound as well.
+host-bound, apart from the suspects. A host-timed trace (CPU) has one clock for both; there, own work slower
+than the peers' while the rank's traced compute (its layers) is not, lies outside the model's compute:
+host-bound as well.
 """
 
 from __future__ import annotations
