@@ -494,7 +494,9 @@ def test_a_load_without_a_checkpoint_is_refused_not_served_as_random_weights(tmp
     load = tmp_path / "checkpoints"
     if where == "empty":
         load.mkdir()
-    extra = ["--prompts-json", "[]", "--output", tmp_path / "o"] if "greedy" in tool else []
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('["The cat sat"]')
+    extra = ["--prompts-json", prompts, "--output", tmp_path / "o"] if "greedy" in tool else []
     result = run_script(tool, TINY_SERVER + extra + ["--load", load])
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     reason = "no such directory" if where == "missing" else "no checkpoint there"
