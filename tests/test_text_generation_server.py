@@ -4,6 +4,7 @@ server goes on; a token guards a non-local WebSocket host; a client leaving mid-
 activation patches through the Python client (megascope.client) do what they say, the same at TP2xPP2 and DP2."""
 
 import asyncio
+import http.client
 import json
 import re
 import signal
@@ -706,6 +707,30 @@ def test_a_bad_content_length_is_a_400_naming_it_and_no_traceback(server, length
     assert too_large == (413, {"error": "the body is over 1048576 bytes"})
     assert server.put({"prompts": ["x"], "tokens_to_generate": 1})[0] == 200  # the server goes on
     assert "Traceback" not in "".join(server.lines[seen:])
+
+
+def test_a_chunked_body_is_read_as_the_same_request(server):
+    """Issue 53: a body sent with Transfer-Encoding: chunked (no Content-Length) was read as empty and refused with
+    400 "the body must be a JSON object"."""
+    request = {"prompts": ["Hello world"], "tokens_to_generate": 3, "top_k": 1}
+    data = json.dumps(request).encode()
+    host, port = server.rest.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("PUT", "/api", body=iter([data[:7], data[7:]]), encode_chunked=True,
+                           headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        answer = connection.getresponse()
+        status, chunked = answer.status, json.loads(answer.read())
+    finally:
+        connection.close()
+    assert status == 200, chunked
+    assert chunked["tokens"] == server.put(request)[1]["tokens"]
+    chunked_head = "PUT /api HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+    assert _raw_put(server, chunked_head, b"zz\r\n{}\r\n0\r\n\r\n") == (
+        400, {"error": "a chunked body's chunk size must be hexadecimal digits, not b'zz\\r\\n'"})
+    assert _raw_put(server, chunked_head, b"100001\r\n") == (413, {"error": "the body is over 1048576 bytes"})
+    assert _raw_put(server, "PUT /api HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip", b"x") == (
+        501, {"error": "Transfer-Encoding 'gzip' is not supported; send the body with Content-Length or chunked"})
 
 
 @pytest.mark.parametrize("count", [17, 129])
