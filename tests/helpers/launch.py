@@ -97,13 +97,14 @@ def run_script(script, args, env=None, timeout=120):
                           env=child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-def run_script_cases(script, cases, timeout=300):
+def run_script_cases(script, cases, timeout=300, env=None):
     """``run_script`` for many (args, env) cases of one script at once: each case in a process forked after
-    the script's imports (tests/helpers/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
+    the script's imports (tests/helpers/fork_runner.py), so that the imports are paid once; ``env``: the
+    environment of those imports (a PYTHONPATH for a script's sibling modules). CompletedProcess each."""
     payload = json.dumps([{"args": list(map(str, args)), "env": {"MASTER_PORT": str(free_port()), **(env or {})}}
                           for args, env in cases])
     runner = subprocess.run([sys.executable, str(REPO / "tests/helpers/fork_runner.py"), str(REPO / script)], cwd=REPO,
-                            env=child_env(), input=payload, capture_output=True, text=True, timeout=timeout)
+                            env=child_env(env), input=payload, capture_output=True, text=True, timeout=timeout)
     assert runner.returncode == 0, runner.stderr[-5000:]
     return [subprocess.CompletedProcess([script, *args], result["returncode"], result["stdout"], result["stderr"])
             for (args, _), result in zip(cases, json.loads(runner.stdout))]
