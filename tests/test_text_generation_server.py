@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import websockets
 from helpers.generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
-from helpers.launch import REPO, run_script
+from helpers.launch import REPO, run_script, torchrun
 from helpers.readme_commands import as_launched, readme_commands
 
 from megascope.client import MegaScopeClient, MegaScopeError
@@ -486,6 +486,22 @@ def test_a_virtual_pipeline_is_refused_by_its_flag_not_by_the_microbatches(monke
                                             "--num-layers-per-virtual-pipeline-stage", "1"], "x", model_provider=None)
     assert str(refused.value) == ("--num-layers-per-virtual-pipeline-stage: generation runs one model chunk per "
                                   "pipeline rank; leave virtual pipelining out")
+
+
+def test_a_port_in_use_at_tp2_is_one_line_from_the_job():
+    """Issue 53: rank 0 printed its line, then rank 1, waiting in the service's loop for rank 0's first job, printed
+    gloo's "Connection closed by peer" trace."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = torchrun(2, "tools/run_text_generation_server.py",
+                          TINY_SERVER + ["--tensor-model-parallel-size", "2", "--port", port], timeout=300)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("run_text_generation_server.py: ")]
+    assert errors == [f"run_text_generation_server.py: error: --port {port}: cannot listen on 127.0.0.1:{port} "
+                      f"(Address already in use); pick a free port"], result.stderr
+    assert "RuntimeError" not in result.stderr and 'server.py", line' not in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("tool, where", [("tools/run_text_generation_server.py", "missing"),
