@@ -30,6 +30,7 @@ from megatron.inference.rest_api import serve_rest
 from megatron.inference.service import GenerationService
 from megatron.training.errors import ArgumentError, UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
+from megatron.training.peer_watch import now_doing
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -151,6 +152,7 @@ def main():
             service.serve_forever(rank)
             raise
         print(f"server pid {os.getpid()}: Ctrl-C or kill -INT {os.getpid()} stops every rank", flush=True)
+    now_doing("serving requests")
     service.serve_forever(rank)
     if rest is not None:  # rank 0: close the listening sockets and the clients' connections
         rest.shutdown()

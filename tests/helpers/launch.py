@@ -58,6 +58,17 @@ def kill_process_tree(pid, timeout=10):
     psutil.wait_procs(descendants, timeout=timeout)
 
 
+def worker_of_rank(launcher_pid, rank):
+    """The worker process of ``rank`` (its RANK) among a torchrun launcher's descendants."""
+    for process in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if process.environ().get("RANK") == str(rank) and "LOCAL_RANK" in process.environ():
+                return process
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker of rank {rank}")
+
+
 def running_with_argument(text):
     """Pids of the running processes whose command line holds ``text`` (e.g. a test's own directory)."""
     return [process.pid for process in psutil.process_iter(["cmdline", "status"])
