@@ -24,6 +24,7 @@ from megatron.inference.model_setup import setup_for_generation
 from megatron.training.atomic_file import replaced_on_success
 from megatron.training.errors import UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
+from megatron.training.peer_watch import now_doing
 from megatron.training.writable_paths import check_new_file_writable
 
 _PROMPTS_FORM = 'give a JSON list of strings, e.g. ["The cat sat", "A dog ran"]'
@@ -78,6 +79,7 @@ def main():
                                                   extra_args_provider=_generation_args,
                                                   check_args=lambda args: _check_inputs_and_output(args, texts))
     prompts = _prompt_tokens(args.prompts_json, texts, tokenizer, torch.device(args.device))
+    now_doing("generation")  # named if a peer rank dies meanwhile
     prompt_logits = logits(model, prompts)
     tokens = greedy_generate(model, prompts, args.max_new_tokens, tokenizer.vocab_size)
     if prompt_logits is not None and parallel_state.get_tensor_model_parallel_rank() == 0:
