@@ -35,6 +35,7 @@ from megafbd.coordinator import (
 from megafbd.dropout_rng import load_packed_state, packed_size
 from megafbd.weight_sync import WeightSync
 from megatron.training.model_setup import build_model
+from megatron.training.peer_watch import now_doing
 from megatron.training.signal_handler import STOP_SIGNALS
 from megatron.training.training import build_iterators
 
@@ -80,7 +81,9 @@ class ForwardInstance:
         pending = []  # weight receives posted, oldest first
         iterations = 0
         while True:
+            now_doing("waiting for the backward instances' next command")
             command, iteration = self._control()
+            now_doing(f"iteration {iteration} (forward instance)")  # named if a peer dies meanwhile
             self.instance.link_group.send([torch.tensor([int(self.sigterm_received)])], 0, TAG_ACK).wait()
             if self.next_step is None:  # the weights training starts from come first, as step iteration-1
                 self.start_step = self.next_step = iteration if command == STOP else iteration - 1

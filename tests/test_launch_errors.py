@@ -81,6 +81,10 @@ CASES = {
         MOCK + ["--trace", "--trace-interval", "3", "--trace-detect", "--trace-detect-hook", "no_such_module:alert"],
         {},
         "--trace-detect-hook no_such_module:alert: No module named 'no_such_module'"),
+    "DPP schedule log in a missing directory": (  # issue 53: it used to fail at the end of the run, with a trace
+        MOCK + ["--use-dpp", "--pipeline-model-parallel-size", "2", "--dpp-log-schedule", "/nonexistent/schedule.json"],
+        {"WORLD_SIZE": "2"},
+        "--dpp-log-schedule /nonexistent/schedule.json: its directory /nonexistent does not exist; create it"),
     "transformer engine not installed": (
         MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),
 }

@@ -43,12 +43,14 @@ def llama(tmp_path_factory):
         {"eos_token": "w2", "bos_token": "w1", "chat_template": CHAT_TEMPLATE}))
     _convert(root / "hf", root / "megatron")
     # No MASTER_PORT: the script picks a free rendezvous port. It took torchrun's 29500, so a second server
-    # (or any other job there: held here while the server starts) died with torchrun's trace.
+    # (or any other job there: held here while the server starts) died with torchrun's trace. Started from the
+    # checkpoint's parent with relative paths (issue 53): the script moved into the repository before reading
+    # them, and refused them as missing.
     with _held(TORCHRUN_DEFAULT_PORT):
         server = GenerationServer(0, [], command=[
             "bash", str(REPO / "examples/inference/llama_mistral/run_text_generation_llama3.sh"),
-            str(root / "megatron"), str(root / "megatron" / "hf"), "--port", "0", "--ws-port", "0"],  # as documented
-            env={"DEVICE": "cpu", "PYTHON": sys.executable})
+            "megatron", "megatron/hf", "--port", "0", "--ws-port", "0"],  # as documented
+            env={"DEVICE": "cpu", "PYTHON": sys.executable}, cwd=root)
     yield model, server
     server.stop()
 

@@ -11,20 +11,17 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
-from helpers.launch import REPO, TINY_GPT, child_env, gpt_data_args, kill_process_tree, torchrun_command
+from helpers.launch import (
+    REPO,
+    TINY_GPT,
+    child_env,
+    gpt_data_args,
+    kill_process_tree,
+    torchrun_command,
+    worker_of_rank,
+)
 
 TIMEOUT_S = 3
-
-
-def _worker_of_rank(launcher_pid, rank):
-    for process in psutil.Process(launcher_pid).children(recursive=True):
-        try:
-            if process.environ().get("RANK") == str(rank) and "pretrain_gpt.py" in " ".join(process.cmdline()):
-                return process
-        except psutil.NoSuchProcess:
-            continue
-    raise AssertionError(f"no worker of rank {rank}")
 
 
 def _stop_while_sleeping(process, within_s=60):
@@ -49,7 +46,7 @@ def test_stalled_neighbour_ends_the_job_naming_it(gpt_data):
             output.append(line)
             if " iteration        3/" in line:
                 break
-        _stop_while_sleeping(_worker_of_rank(job.pid, 1))
+        _stop_while_sleeping(worker_of_rank(job.pid, 1))
         stopped_at = time.monotonic()
         output.append(job.communicate(timeout=120)[0])
         ended_after = time.monotonic() - stopped_at

@@ -4,6 +4,7 @@ server goes on; a token guards a non-local WebSocket host; a client leaving mid-
 activation patches through the Python client (megascope.client) do what they say, the same at TP2xPP2 and DP2."""
 
 import asyncio
+import http.client
 import json
 import re
 import signal
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import websockets
 from helpers.generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
-from helpers.launch import REPO, run_script
+from helpers.launch import REPO, run_script, torchrun
 from helpers.readme_commands import as_launched, readme_commands
 
 from megascope.client import MegaScopeClient, MegaScopeError
@@ -487,6 +488,22 @@ def test_a_virtual_pipeline_is_refused_by_its_flag_not_by_the_microbatches(monke
                                   "pipeline rank; leave virtual pipelining out")
 
 
+def test_a_port_in_use_at_tp2_is_one_line_from_the_job():
+    """Issue 53: rank 0 printed its line, then rank 1, waiting in the service's loop for rank 0's first job, printed
+    gloo's "Connection closed by peer" trace."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = torchrun(2, "tools/run_text_generation_server.py",
+                          TINY_SERVER + ["--tensor-model-parallel-size", "2", "--port", port], timeout=300)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("run_text_generation_server.py: ")]
+    assert errors == [f"run_text_generation_server.py: error: --port {port}: cannot listen on 127.0.0.1:{port} "
+                      f"(Address already in use); pick a free port"], result.stderr
+    assert "RuntimeError" not in result.stderr and 'server.py", line' not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("tool, where", [("tools/run_text_generation_server.py", "missing"),
                                          ("tools/checkpoint/generate_greedy.py", "empty")])
 def test_a_load_without_a_checkpoint_is_refused_not_served_as_random_weights(tmp_path, tool, where):
@@ -494,7 +511,9 @@ def test_a_load_without_a_checkpoint_is_refused_not_served_as_random_weights(tmp
     load = tmp_path / "checkpoints"
     if where == "empty":
         load.mkdir()
-    extra = ["--prompts-json", "[]", "--output", tmp_path / "o"] if "greedy" in tool else []
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text('["The cat sat"]')
+    extra = ["--prompts-json", prompts, "--output", tmp_path / "o"] if "greedy" in tool else []
     result = run_script(tool, TINY_SERVER + extra + ["--load", load])
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     reason = "no such directory" if where == "missing" else "no checkpoint there"
@@ -704,6 +723,30 @@ def test_a_bad_content_length_is_a_400_naming_it_and_no_traceback(server, length
     assert too_large == (413, {"error": "the body is over 1048576 bytes"})
     assert server.put({"prompts": ["x"], "tokens_to_generate": 1})[0] == 200  # the server goes on
     assert "Traceback" not in "".join(server.lines[seen:])
+
+
+def test_a_chunked_body_is_read_as_the_same_request(server):
+    """Issue 53: a body sent with Transfer-Encoding: chunked (no Content-Length) was read as empty and refused with
+    400 "the body must be a JSON object"."""
+    request = {"prompts": ["Hello world"], "tokens_to_generate": 3, "top_k": 1}
+    data = json.dumps(request).encode()
+    host, port = server.rest.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        connection.request("PUT", "/api", body=iter([data[:7], data[7:]]), encode_chunked=True,
+                           headers={"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        answer = connection.getresponse()
+        status, chunked = answer.status, json.loads(answer.read())
+    finally:
+        connection.close()
+    assert status == 200, chunked
+    assert chunked["tokens"] == server.put(request)[1]["tokens"]
+    chunked_head = "PUT /api HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked"
+    assert _raw_put(server, chunked_head, b"zz\r\n{}\r\n0\r\n\r\n") == (
+        400, {"error": "a chunked body's chunk size must be hexadecimal digits, not b'zz\\r\\n'"})
+    assert _raw_put(server, chunked_head, b"100001\r\n") == (413, {"error": "the body is over 1048576 bytes"})
+    assert _raw_put(server, "PUT /api HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: gzip", b"x") == (
+        501, {"error": "Transfer-Encoding 'gzip' is not supported; send the body with Content-Length or chunked"})
 
 
 @pytest.mark.parametrize("count", [17, 129])

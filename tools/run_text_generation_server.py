@@ -30,6 +30,7 @@ from megatron.inference.rest_api import serve_rest
 from megatron.inference.service import GenerationService
 from megatron.training.errors import ArgumentError, UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
+from megatron.training.peer_watch import now_doing
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -106,6 +107,25 @@ def _leave_signals_to_rank_0():
             signal.signal(signum, signal.SIG_IGN)
 
 
+def _listen(args, service, tokenizer, model, max_length):
+    """Rank 0: the REST server and, with --enable-ws-server, the WebSocket one, listening; UserError (one line)
+    when a port cannot be bound."""
+    limits = Limits(max_message_bytes=args.ws_max_message_bytes,
+                    max_messages_per_second=args.ws_max_messages_per_second,
+                    send_queue_frames=args.ws_send_queue_frames, max_prompts=args.max_prompts,
+                    # a prompt holds a token at least: the model's length bounds what a welcome may promise
+                    max_tokens_to_generate=min(args.max_tokens_to_generate, max_length - 1))
+    encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)
+    try:
+        rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD)
+    except OSError as error:
+        raise UserError(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({error.strerror}); "
+                        "pick a free port") from None
+    print(f"REST API on http://{args.host}:{rest.server_address[1]}/api (PUT)", flush=True)
+    websocket = _start_websocket(args, service, encoder, model, limits) if args.enable_ws_server else None
+    return rest, websocket
+
+
 @exit_on_user_error
 def main():
     _leave_signals_to_rank_0()
@@ -123,21 +143,16 @@ def main():
         _stop_on_signals(service)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         logging.getLogger("websockets.server").setLevel(logging.WARNING)  # our own lines say where it listens
-        limits = Limits(max_message_bytes=args.ws_max_message_bytes,
-                        max_messages_per_second=args.ws_max_messages_per_second,
-                        send_queue_frames=args.ws_send_queue_frames, max_prompts=args.max_prompts,
-                        # a prompt holds a token at least: the model's length bounds what a welcome may promise
-                        max_tokens_to_generate=min(args.max_tokens_to_generate, max_length - 1))
-        encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)
         try:
-            rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD)
-        except OSError as error:
-            raise UserError(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({error.strerror}); "
-                            "pick a free port") from None
-        print(f"REST API on http://{args.host}:{rest.server_address[1]}/api (PUT)", flush=True)
-        if args.enable_ws_server:
-            websocket = _start_websocket(args, service, encoder, model, limits)
+            rest, websocket = _listen(args, service, tokenizer, model, max_length)
+        except UserError:
+            # The other ranks already wait in the service's loop for rank 0's first job: the stop job ends it, so
+            # they exit quietly, where they saw rank 0 vanish from their broadcast and printed gloo's trace.
+            service.stop()
+            service.serve_forever(rank)
+            raise
         print(f"server pid {os.getpid()}: Ctrl-C or kill -INT {os.getpid()} stops every rank", flush=True)
+    now_doing("serving requests")
     service.serve_forever(rank)
     if rest is not None:  # rank 0: close the listening sockets and the clients' connections
         rest.shutdown()

@@ -4,7 +4,6 @@ build (tools/visualization/transformer-visualize/dist) when it exists. See docs/
 import json
 import logging
 import mimetypes
-import re
 import select
 import socket
 import threading
@@ -15,12 +14,12 @@ from pathlib import Path
 from megatron.inference.engine import NonFiniteLogits
 from megatron.inference.errors import ProtocolError
 from megatron.inference.prompts import sampling_fields
+from megatron.inference.request_body import BodyRefused, read_body
 from megatron.inference.requests import load_json, parse_rest_request
 from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megatron.inference.rest")
 MAX_BODY_BYTES = 1 << 20
-_BYTE_COUNT = re.compile(r"[0-9]+")
 
 
 def peer_closed(connection: socket.socket) -> bool:
@@ -72,17 +71,13 @@ class RestHandler(BaseHTTPRequestHandler):
     def do_PUT(self):
         if self.path.rstrip("/") != "/api":
             return self._refuse(HTTPStatus.NOT_FOUND, "PUT /api generates; nothing else takes PUT")
-        length = self.headers.get("Content-Length") or "0"
-        if not _BYTE_COUNT.fullmatch(length):
-            self.close_connection = True  # the body, unread, cannot be told from a next request
-            return self._refuse(HTTPStatus.BAD_REQUEST, f"Content-Length must be the body's size in bytes, "
-                                f"not {length[:40]!r}")
-        # (its digits first: int() refuses thousands of them with a ValueError)
-        if len(length) > len(str(MAX_BODY_BYTES)) or int(length) > MAX_BODY_BYTES:
-            self.close_connection = True
-            return self._refuse(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the body is over {MAX_BODY_BYTES} bytes")
         try:
-            request = parse_rest_request(load_json(self.rfile.read(int(length)) or b"null", "body"))
+            body = read_body(self.headers, self.rfile, MAX_BODY_BYTES)
+        except BodyRefused as refused:
+            self.close_connection = True  # the body, unread, cannot be told from a next request
+            return self._refuse(refused.status, str(refused))
+        try:
+            request = parse_rest_request(load_json(body or b"null", "body"))
             prompts = self.server.encoder.encode(request)
             seed = pick_seed(request["random_seed"])
             payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed)}

@@ -30,12 +30,18 @@ def model_args(args):
     return {name: getattr(args, name) for name in MODEL_FLAGS}
 
 
+def differing_model_flags(saved, args, there: str = "there", here: str = "here") -> list[str]:
+    """'<flag> <saved value> <there>, <value of args> <here>' for each model flag whose values differ; none when
+    ``saved`` is None (a checkpoint saved before checkpoints recorded their model)."""
+    if saved is None:
+        return []
+    return [f"{MODEL_FLAGS[name]} {_shown(value)} {there}, {_shown(getattr(args, name))} {here}"
+            for name, value in saved.items() if name in MODEL_FLAGS and value != getattr(args, name)]
+
+
 def check_model_args(saved, args, directory):
     """A UserError naming every model flag whose value differs from the checkpoint's (None: not recorded)."""
-    if saved is None:
-        return  # saved before checkpoints recorded their model
-    differing = [f"{MODEL_FLAGS[name]} {_shown(value)} there, {_shown(getattr(args, name))} here"
-                 for name, value in saved.items() if name in MODEL_FLAGS and value != getattr(args, name)]
+    differing = differing_model_flags(saved, args)
     if differing:
         raise UserError(f"--load: {directory} holds another model: {'; '.join(differing)}; launch with the "
                         f"model flags it was saved with")

@@ -111,7 +111,10 @@ def _kill_workers_at_exit():
     exception, whose traceback keeps the loader) would wait forever: kill them first. atexit runs
     this before multiprocessing's own handler, which was registered earlier. The loader's SIGCHLD
     handler goes first, or it would report the killed workers as a second error."""
-    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    try:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    except ValueError:  # not the main thread: the peer watch ends a rank whose peer died (peer_watch.py)
+        pass
     for child in multiprocessing.active_children():
         if child.daemon:
             child.kill()

@@ -8,6 +8,8 @@ import socket
 import sys
 import traceback
 
+from megatron.training.peer_watch import ending_on_purpose, lost_peer_line
+
 
 class UserError(Exception):
     """A mistake in the launch (flags, files, layout): shown as one line, never as a traceback."""
@@ -72,7 +74,17 @@ def _process_group_is_up():
     return distributed is not None and distributed.is_available() and distributed.is_initialized()
 
 
-def _exit(code):
+def _report_lost_peer(error):
+    """A failure that a peer's death caused (a collective's lost connection, or a step's error of its own at that
+    moment: the datasets' build blamed the mock dataset) is reported as that death, in this rank's one line."""
+    line = lost_peer_line(error, _process_group_is_up())
+    if line is not None:
+        if line:
+            sys.stderr.write(error_line(line) + "\n")
+        _exit(1)
+
+
+def _exit(code, failed=False):
     """End the process with ``code``.
 
     With a process group up, a collective of this rank may still be in flight while the peer it waits
@@ -80,7 +92,10 @@ def _exit(code):
     interpreter's teardown would destroy that group, and gloo's destructor waits for the collective: the
     rank would never exit, and torchrun, which acts on exits, would wait with it. So here the exit
     handlers run (a trace's last windows, the loader workers' end) and the streams are flushed, and the
-    process ends without the teardown; the kernel closes its sockets."""
+    process ends without the teardown; the kernel closes its sockets. ``failed``: this rank printed its failure
+    itself, and tells its peers so: they add no line of their own (peer_watch.py)."""
+    if failed:
+        ending_on_purpose(failed=True)
     if not _process_group_is_up():
         sys.exit(code)
     atexit._run_exitfuncs()  # what the teardown would run first; atexit has no public call for it
@@ -100,15 +115,17 @@ def exit_on_user_error(main):
         try:
             return main(*args, **kwargs)
         except UserError as error:
+            _report_lost_peer(error)
             _print_launch_error(error_line(str(error)))
-            _exit(2)
+            _exit(2, failed=True)
         except KeyboardInterrupt:  # Ctrl-C before training installs its agreed stop (start-up), or in a tool
             _print_launch_error(f"{_prog()}: interrupted by SIGINT (Ctrl-C) before it finished")
-            _exit(128 + signal.SIGINT)
-        except Exception:
+            _exit(128 + signal.SIGINT, failed=True)
+        except Exception as error:
+            _report_lost_peer(error)
             if not _process_group_is_up():
                 raise
             traceback.print_exc()  # a bug: its traceback, as Python would print it
-            _exit(1)
+            _exit(1, failed=True)
 
     return wrapper

@@ -11,6 +11,7 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 
 from megatron.training.cpu_compat import install_cpu_compat
 from megatron.training.cuda_graphs import release_cuda_graphs
+from megatron.training.peer_watch import start_peer_watch
 from megatron.training.placement import Launch
 from megatron.training.save_dir.lock import release_save_locks
 
@@ -67,6 +68,7 @@ def initialize_megatron(args, plugin_start=None, store=None):
     launch's store (``open_launch_store``) when the caller opened it, else the plain start opens its own."""
     if args.deterministic_mode:
         _use_deterministic_kernels()
+    start_peer_watch()  # before the group: a rank that dies during its start is named too
     _init_process_group(args, plugin_start, store)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

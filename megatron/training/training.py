@@ -26,6 +26,7 @@ from megatron.training.garbage_collection import ManualGarbageCollection
 from megatron.training.initialize import initialize_megatron, open_launch_store, shutdown
 from megatron.training.local_layer_specs import attention_summary
 from megatron.training.model_setup import setup_model_and_optimizer, use_fused_adam
+from megatron.training.peer_watch import now_doing
 from megatron.training.placement import Launch, configuration_at
 from megatron.training.plugins import JobParts, PluginRegistry, Schedule
 from megatron.training.profiling import build_profiler
@@ -148,6 +149,7 @@ class Trainer:
         if self.garbage_collection.start():
             print_rank_0(self.garbage_collection.describe())
         while state.iteration < until and context.stop_reason is None:
+            now_doing(f"iteration {state.iteration + 1}")  # named if a peer dies meanwhile
             if self.profiler is not None:
                 self.profiler.iteration_begin(state.iteration + 1)
             self.registry.on_iteration_begin(context, state.iteration + 1)
@@ -173,6 +175,7 @@ class Trainer:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {args.exit_interval})")
                 cut_short = True
                 break
+        now_doing(f"the end of training (after iteration {state.iteration})")
         if args.save and state.last_saved_iteration != state.iteration:
             self.save(state)
         return not cut_short and (state.iteration == until or context.stop_reason is not None)

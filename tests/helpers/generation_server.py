@@ -27,12 +27,13 @@ class GenerationServer:
     """A running server: ``rest`` (http://...), ``ws`` (ws://...) and ``rank0`` (rank 0's pid) once it listens;
     ``stop()`` kills it, ``interrupt(signal)`` stops it as a user or a scheduler would."""
 
-    def __init__(self, nproc, args, timeout=300, command=None, env=None):
-        """torchrun of the server with ``args`` on ``nproc`` ranks, or ``command`` (e.g. an example script)."""
+    def __init__(self, nproc, args, timeout=300, command=None, env=None, cwd=REPO):
+        """torchrun of the server with ``args`` on ``nproc`` ranks, or ``command`` (e.g. an example script) run
+        in ``cwd``."""
         command = command or torchrun_command(nproc, "tools/run_text_generation_server.py",
                                               [*args, "--port", "0", "--enable-ws-server", "--ws-port", "0"])
         # A process group of its own, as a command started in a terminal: Ctrl-C signals that group.
-        self.job = subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
+        self.job = subprocess.Popen(command, cwd=cwd, env=child_env(env), stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
         self.lines = []
         self._listening = threading.Event()

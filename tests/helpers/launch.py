@@ -58,6 +58,17 @@ def kill_process_tree(pid, timeout=10):
     psutil.wait_procs(descendants, timeout=timeout)
 
 
+def worker_of_rank(launcher_pid, rank):
+    """The worker process of ``rank`` (its RANK) among a torchrun launcher's descendants."""
+    for process in psutil.Process(launcher_pid).children(recursive=True):
+        try:
+            if process.environ().get("RANK") == str(rank) and "LOCAL_RANK" in process.environ():
+                return process
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker of rank {rank}")
+
+
 def running_with_argument(text):
     """Pids of the running processes whose command line holds ``text`` (e.g. a test's own directory)."""
     return [process.pid for process in psutil.process_iter(["cmdline", "status"])
@@ -97,13 +108,14 @@ def run_script(script, args, env=None, timeout=120):
                           env=child_env(env), capture_output=True, text=True, timeout=timeout)
 
 
-def run_script_cases(script, cases, timeout=300):
+def run_script_cases(script, cases, timeout=300, env=None):
     """``run_script`` for many (args, env) cases of one script at once: each case in a process forked after
-    the script's imports (tests/helpers/fork_runner.py), so that the imports are paid once. CompletedProcess each."""
+    the script's imports (tests/helpers/fork_runner.py), so that the imports are paid once; ``env``: the
+    environment of those imports (a PYTHONPATH for a script's sibling modules). CompletedProcess each."""
     payload = json.dumps([{"args": list(map(str, args)), "env": {"MASTER_PORT": str(free_port()), **(env or {})}}
                           for args, env in cases])
     runner = subprocess.run([sys.executable, str(REPO / "tests/helpers/fork_runner.py"), str(REPO / script)], cwd=REPO,
-                            env=child_env(), input=payload, capture_output=True, text=True, timeout=timeout)
+                            env=child_env(env), input=payload, capture_output=True, text=True, timeout=timeout)
     assert runner.returncode == 0, runner.stderr[-5000:]
     return [subprocess.CompletedProcess([script, *args], result["returncode"], result["stdout"], result["stderr"])
             for (args, _), result in zip(cases, json.loads(runner.stdout))]

@@ -61,6 +61,9 @@ def parse(argv):
         raise ArgumentError("--target-tensor-parallel-size and --target-pipeline-parallel-size must be >= 1")
     if options.make_vocab_size_divisible_by < 1:
         raise ArgumentError(f"--make-vocab-size-divisible-by must be >= 1, got {options.make_vocab_size_divisible_by}")
+    if not options.max_shard_size_gb > 0:  # 0, -1 and nan used to pass, each writing one file per tensor
+        raise ArgumentError(f"--max-shard-size-gb must be a positive size in GB (e.g. 5), "
+                            f"got {options.max_shard_size_gb:g}")
     if options.loader == "llama_mistral" and options.tokenizer_model is None:
         options.tokenizer_model = options.load_dir
     if not os.path.isdir(options.load_dir):

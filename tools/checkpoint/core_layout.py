@@ -5,7 +5,9 @@ megatron-core's ``sharded_state_dict`` of ``pretrain_gpt.py``'s model says: a co
 then loads through the same path as a trained one, at any TP/PP.
 """
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 from megatron.core import parallel_state
@@ -22,13 +24,20 @@ _NOT_SHAPING_THE_MODEL = ["--micro-batch-size", "1", "--train-iters", "1", "--lr
                           "--vocab-size", "1", "--device", "cpu", "--use-cpu-initialization"]
 
 
-def start_single_process_group():
-    """dist_checkpointing saves and loads through torch.distributed: one gloo process, TP1/PP1."""
+@contextlib.contextmanager
+def single_process_group() -> Iterator[None]:
+    """dist_checkpointing saves and loads through torch.distributed: one gloo process, TP1/PP1, for the block.
+    Destroyed after it: a group left to the interpreter's teardown once aborted a finished conversion (exit 134)."""
     install_cpu_compat()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     torch.distributed.init_process_group("gloo", world_size=1, rank=0)
-    parallel_state.initialize_model_parallel(1, 1)
+    try:
+        parallel_state.initialize_model_parallel(1, 1)
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
 
 
 def model_args(model_flags, padded_vocab_size, dtype_flags):

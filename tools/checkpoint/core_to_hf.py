@@ -20,7 +20,9 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from safetensors.torch import save_file
 
-from megatron.training.checkpointing import checkpoint_dir, read_tracker
+from megatron.training.checkpoint_checks import damaged_file, what_to_do
+from megatron.training.checkpoint_model import differing_model_flags
+from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir, read_tracker
 from megatron.training.errors import UserError
 from megatron.training.save_dir.conversion_output import copy_hf_side_files, written_atomically
 
@@ -95,26 +97,46 @@ def _split_like(template, tensor):
 
 
 def _checkpoint_directory(load_dir):
-    iteration = read_tracker(load_dir)
+    """The directory of ``load_dir``'s latest checkpoint, refused in one line when a file of it is missing or cut
+    short: training and generation refuse it so, where the conversion ended in a trace (or, for a file it does not
+    read, wrote a model from a checkpoint no other tool loads)."""
+    iteration = read_tracker(load_dir, flag="--load-dir")
     if iteration is None:
         raise UserError(f"--load-dir {load_dir} holds no checkpoint (no latest_checkpointed_iteration.txt)")
     directory = checkpoint_dir(load_dir, iteration)
     if not os.path.isdir(directory):
         raise UserError(f"--load-dir {load_dir}: the tracker names iteration {iteration} but {directory} is missing")
+    damage = damaged_file(directory)
+    if damage:
+        tracker = os.path.join(load_dir, TRACKER_FILENAME)
+        raise UserError(f"--load-dir: checkpoint {directory} is damaged: {damage}; "
+                        f"{what_to_do(load_dir, tracker, iteration, flag='--load-dir')}")
     return directory
+
+
+def _model_of(shape, common, directory, config_path):
+    """Our model's arguments for ``shape`` (the Hugging Face config), refused in one line where the checkpoint
+    recorded another model: a config of another layer count, hidden size or head count ended in megatron-core's
+    CheckpointingException trace once the first tensor was read."""
+    args = core_layout.model_args(shape.megatron_flags(), common["padded_vocab_size"], [])
+    differing = differing_model_flags(common.get("model_args"), args, "in the checkpoint", "in the config")
+    if differing:
+        raise UserError(f"--hf-config-dir: {config_path} does not describe the checkpoint {directory}: "
+                        f"{'; '.join(differing)}; give the config of the model it was converted from or trained "
+                        f"as (--hf-config-dir)")
+    return args
 
 
 def convert(options):
     directory = _checkpoint_directory(options.load_dir)
     hf_dir = options.hf_config_dir or os.path.join(options.load_dir, "hf")
     config = read_config(hf_dir, "--hf-config-dir")
-    shape = llama_shape(config, os.path.join(hf_dir, "config.json"))
-    padded_vocab_size = dist_checkpointing.load_common_state_dict(directory)["padded_vocab_size"]
+    config_path = os.path.join(hf_dir, "config.json")
+    shape = llama_shape(config, config_path)
+    args = _model_of(shape, dist_checkpointing.load_common_state_dict(directory), directory, config_path)
     dtype = torch.bfloat16 if options.bf16 else torch.float16 if options.fp16 else torch.float32
-    with written_atomically(options.save_dir) as work_dir:
-        core_layout.start_single_process_group()
-        templates = core_layout.checkpoint_templates(
-            core_layout.model_args(shape.megatron_flags(), padded_vocab_size, []))
+    with written_atomically(options.save_dir) as work_dir, core_layout.single_process_group():
+        templates = core_layout.checkpoint_templates(args)
         writer = ShardWriter(work_dir, options.max_shard_size_gb * 1e9)
 
         def load_one(key):  # read right before it is written: the model is never held whole

@@ -130,8 +130,7 @@ def convert(options):
     check_tokenizer(options.tokenizer_model)
     padded_vocab_size = shape.padded_vocab_size(options.make_vocab_size_divisible_by, tp)
     dtype_flags = ["--bf16"] if options.bf16 else ["--fp16"] if options.fp16 else []
-    with written_atomically(options.save_dir) as work_dir:
-        core_layout.start_single_process_group()
+    with written_atomically(options.save_dir) as work_dir, core_layout.single_process_group():
         args = core_layout.model_args(shape.megatron_flags(), padded_vocab_size, dtype_flags)
         templates = core_layout.checkpoint_templates(args)
         recipes = tensor_recipes(shape, templates)

@@ -27,7 +27,8 @@ def iterations_present(root):
 
 
 # What else a user can do about a bad checkpoint directory, by the flag that names it.
-_OTHERWISE = {"--load": "remove --load to train from scratch", "--save": "give another --save directory"}
+_OTHERWISE = {"--load": "remove --load to train from scratch", "--save": "give another --save directory",
+              "--load-dir": "give another --load-dir"}
 
 
 def what_to_do(root, tracker, bad_iteration=None, flag="--load"):
@@ -36,8 +37,9 @@ def what_to_do(root, tracker, bad_iteration=None, flag="--load"):
     iterations = [i for i in iterations_present(root) if i != bad_iteration]
     if not iterations:
         return f"no {other}iteration is saved there: {_OTHERWISE[flag]}"
+    use = "to convert it" if flag == "--load-dir" else "to resume from it"
     return (f"{other}iterations saved there: {', '.join(map(str, iterations))}; write one of them into {tracker} "
-            f"to resume from it, or {_OTHERWISE[flag]}")
+            f"{use}, or {_OTHERWISE[flag]}")
 
 
 def damaged_file(directory):

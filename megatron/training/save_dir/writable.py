@@ -55,6 +55,9 @@ def check_new_file_writable(path: str, flag: str) -> None:
     if os.path.exists(path):
         raise UserError(f"{flag} {path} already exists and would be overwritten; remove it or give a new file name")
     directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(directory):  # a file's directory is not made for it: the write at the end would fail
+        raise UserError(f"{flag} {path}: its directory {directory} does not exist; create it or give a path in an "
+                        f"existing directory")
     reason = _why_not_writable(directory)
     if reason is not None:
         raise UserError(f"{flag} {path}: its directory {directory} {reason}; give a path you can write to")

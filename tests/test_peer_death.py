@@ -1,0 +1,63 @@
+"""Issue 53: a rank that dies without a word (SIGKILL here, as the out-of-memory killer sends) ends every
+surviving rank within seconds, each with one line naming the dead rank and what the survivor was doing, in
+training (at start-up and in the loop), MegaDPP, MegaFBD and the 4-rank generation server (real torchrun jobs).
+
+Before, the survivors printed gloo's "Connection closed by peer" traceback, at start-up an error that blamed the
+mock dataset, and DPP's waited on their shared-memory channels until torchrun killed them 30 s later."""
+
+import os
+import re
+import time
+
+import psutil
+import pytest
+from helpers.generation_server import TINY_SERVER
+from helpers.launch import TINY_GPT, job_acted_on, torchrun_command, worker_of_rank
+
+MOCK = TINY_GPT + ["--mock-data", "--vocab-size", "1000", "--train-iters", "100000"]
+SHM = "/dev/shm"
+
+# name: (ranks, entry point, flags, the line after which the victim is killed, victim, what the survivors did)
+CASES = {
+    "training": (2, "pretrain_gpt.py", MOCK, " iteration        3/", 0, "in iteration "),
+    "start-up": (2, "pretrain_gpt.py", MOCK, "setup done", 0, "in start-up, in barrier at megatron/training/data.py"),
+    "dpp": (2, "pretrain_gpt.py", MOCK + ["--pipeline-model-parallel-size", "2", "--use-dpp"],
+            " iteration        3/", 0, "megadpp/"),
+    "fbd": (2, "pretrain_gpt.py", MOCK + ["--forward-backward-disaggregating", "--recompute-granularity", "full",
+                                          "--recompute-method", "uniform"], " iteration        3/", 1, "in iteration "),
+    "server": (4, "tools/run_text_generation_server.py",
+               TINY_SERVER + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                              "--port", "0"], "server pid", 3, "in serving requests"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_killed_rank_ends_every_survivor_at_once_with_one_line_naming_it(case):
+    ranks, script, flags, marker, victim, doing = CASES[case]
+    ended = {}
+
+    def kill_the_victim(launcher):
+        workers = {rank: worker_of_rank(launcher.pid, rank) for rank in range(ranks)}
+        workers[victim].kill()
+        killed = time.monotonic()
+        survivors = [process for rank, process in workers.items() if rank != victim]
+        _, alive = psutil.wait_procs(survivors, timeout=30)
+        ended["after_s"], ended["alive"] = time.monotonic() - killed, alive
+        ended["pids"] = [process.pid for process in workers.values()]
+
+    result = job_acted_on(torchrun_command(ranks, script, flags), marker, kill_the_victim, timeout=300)
+    output = result.stdout
+    assert result.returncode != 0 and not ended["alive"], output[-3000:]
+    assert ended["after_s"] < 10, (ended["after_s"], output[-3000:])
+    prog = os.path.basename(script)
+    lines = [line for line in output.splitlines() if line.startswith(f"{prog}: ")]
+    survivors = sorted(set(range(ranks)) - {victim})
+    said = sorted(int(re.search(r"while rank (\d+) was in ", line).group(1)) for line in lines)
+    assert said == survivors, output[-3000:]  # one line each
+    for line in lines:
+        assert line.startswith(f"{prog}: error: rank {victim} died (killed, out of memory or its host lost) "
+                               f"while rank "), line
+        assert doing in line, line
+    assert "Connection closed by peer" not in output and "Mock" not in " ".join(lines), output[-3000:]
+    assert not re.search(r'File "[^"]*/(megatron|megadpp|megafbd|tools)/', output), output[-3000:]  # no traceback
+    assert [name for name in os.listdir(SHM) if any(f"-{pid}-" in name for pid in ended["pids"])] == []
