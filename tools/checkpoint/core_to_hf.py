@@ -20,10 +20,10 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from safetensors.torch import save_file
 
-from megatron.training.checkpoint_checks import damaged_file, what_to_do
 from megatron.training.checkpoint_model import differing_model_flags
 from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_dir, read_tracker
 from megatron.training.errors import UserError
+from megatron.training.save_dir.checkpoints import damaged_file, what_to_do
 from megatron.training.save_dir.conversion_output import copy_hf_side_files, written_atomically
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}

@@ -25,7 +25,7 @@ from megatron.training.atomic_file import replaced_on_success
 from megatron.training.errors import UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
 from megatron.training.peer_watch import now_doing
-from megatron.training.writable_paths import check_new_file_writable
+from megatron.training.save_dir.writable import check_new_file_writable
 
 _PROMPTS_FORM = 'give a JSON list of strings, e.g. ["The cat sat", "A dog ran"]'
 
