@@ -8,6 +8,7 @@ import socket
 import sys
 import traceback
 
+from megatron.training.error_line import error_line, program_name
 from megatron.training.peer_watch import ending_on_purpose, lost_peer_line
 
 
@@ -60,15 +61,6 @@ def _print_launch_error(line):
         sys.stderr.flush()
 
 
-def _prog():
-    return os.path.basename(sys.argv[0]) or "megatron"
-
-
-def error_line(message: str) -> str:
-    """``<prog>: error: <message>``, the form of every line that stops a command (argparse's)."""
-    return f"{_prog()}: error: {message}"
-
-
 def _process_group_is_up():
     distributed = sys.modules.get("torch.distributed")  # never imported here: the tools start without torch
     return distributed is not None and distributed.is_available() and distributed.is_initialized()
@@ -119,7 +111,7 @@ def exit_on_user_error(main):
             _print_launch_error(error_line(str(error)))
             _exit(2, failed=True)
         except KeyboardInterrupt:  # Ctrl-C before training installs its agreed stop (start-up), or in a tool
-            _print_launch_error(f"{_prog()}: interrupted by SIGINT (Ctrl-C) before it finished")
+            _print_launch_error(f"{program_name()}: interrupted by SIGINT (Ctrl-C) before it finished")
             _exit(128 + signal.SIGINT, failed=True)
         except Exception as error:
             _report_lost_peer(error)

@@ -29,6 +29,8 @@ import threading
 import time
 import traceback
 
+from megatron.training.error_line import error_line
+
 # How a rank ends on purpose: its work done, a failure it printed itself, or a peer's death it reported.
 _DONE, _FAILED, _LOST_PEER = b"d", b"f", b"l"
 _CONNECT_RETRY_S = 0.01
@@ -230,8 +232,6 @@ def death_line(peer: int, doing: str) -> str:
 def report_death(peer: int) -> None:
     """This rank's one line about ``peer``'s death, then its end (exit code 1); nothing if the rank already
     ends its own way (its main thread reports the death, or its own failure)."""
-    from megatron.training.errors import error_line  # errors imports this module
-
     if _main_thread_handles_an_error():
         return  # a collective's error of the same death: the main thread names it, with where it came from
     if _watch is None or not _watch.say(_LOST_PEER):
