@@ -9,7 +9,7 @@
 # of the ranks that log, the ratio to its reference row, and the seconds from the last iteration to the exit.
 #   [ROWS="ref tp2_dp2_sp ..."] [EXTRA_ROWS="name|gpus|reference|ENV=value ...|flags;..."] [ITERS=20]
 #   [RESULTS=dir] bash bench/layouts.sh
-# ROWS defaults to every row that fits the GPUs found (2 or 4); EXTRA_ROWS adds variants (a lever measured alone,
+# ROWS defaults to the rows made for the number of GPUs found (2 or 4); EXTRA_ROWS adds variants (a lever measured alone,
 # e.g. "tp2_dp2_sp_cdmc8|4|ref|CUDA_DEVICE_MAX_CONNECTIONS=8|--tensor-model-parallel-size 2 --sequence-parallel").
 set -uo pipefail
 cd "$(dirname "$0")/.."
