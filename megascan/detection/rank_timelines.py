@@ -13,8 +13,7 @@ them): nobody else could make that time shorter or longer. Every record therefor
 - ``host``: when the rank's host issued it, where the trace times the device apart from the host
   (CUDA events). The GPU cannot reach an op before its host issued it: of the own work before an
   arrival that the GPU reached right after the issue, the part from the previous finish to the issue is time
-  the GPU waited for launches (``host_wait``), the rest the GPU's own (``device_work``); the host's own pace is
-  the time between its issues of the two records (``host_interval``), whatever its GPU did meanwhile;
+  the GPU waited for launches (``host_wait``), the rest the GPU's own (``device_work``);
 - ``opaque``: whether the rank passed synchronisations it did not record (``--trace-tp-microbatches``)
   since its previous record: its gap then holds waits nobody measured, so it is not its own work.
 
@@ -65,11 +64,6 @@ class RankTimelines:
     def device_work(self) -> np.ndarray:
         """Per record: the rest of its own work, its GPU's: from the issue (or the previous finish) to arriving."""
         return self.gap - self.host_wait()
-
-    def host_interval(self) -> np.ndarray:
-        """Per record: its host's time from issuing ``prev`` to issuing it (nan at an iteration's start)."""
-        prev = np.where(self.prev != NO_RECORD, self.prev, 0)
-        return np.where(self.prev != NO_RECORD, self.host - self.host[prev], np.nan)
 
     def arrival_awaited(self) -> np.ndarray:
         """Per record: the record number of its instance's last arrival, what it waited for (NO_RECORD where

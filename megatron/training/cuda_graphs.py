@@ -11,7 +11,6 @@ pipeline's transfers) is alive, and the job would never exit.
 """
 
 import contextlib
-import gc
 from typing import Any
 
 import torch
@@ -23,14 +22,15 @@ from megatron.training.errors import ArgumentError
 GRAPH_MANAGER = "cudagraph_manager"  # the submodule through which megatron-core routes a layer's call
 
 
-def _graph_managers(model_chunks):
-    return [module._modules[GRAPH_MANAGER] for chunk in model_chunks for module in chunk.modules()
+def _graphed_modules(model_chunks):
+    """The modules whose calls megatron-core routes through a graph manager."""
+    return [module for chunk in model_chunks for module in chunk.modules()
             if module._modules.get(GRAPH_MANAGER) is not None]
 
 
 @contextlib.contextmanager
 def layers_run_eagerly(model_chunks):
-    graphed = [module for chunk in model_chunks for module in chunk.modules() if GRAPH_MANAGER in module._modules]
+    graphed = _graphed_modules(model_chunks)
     managers = [module._modules.pop(GRAPH_MANAGER) for module in graphed]
     try:
         yield
@@ -45,16 +45,14 @@ def release_cuda_graphs(model_chunks=()):
     megatron-core's ``delete_cuda_graphs()`` resets only the runners still on its global record, which it
     empties once the graphs are captured; the captured ones live on in each layer's graph manager, so those
     are reset here. A whole-iteration graph (``--cuda-graph-scope full_iteration``) is held by its wrapper."""
-    for manager in _graph_managers(model_chunks):
-        for runner in manager.cudagraph_runners:
+    for module in _graphed_modules(model_chunks):
+        manager = module._modules[GRAPH_MANAGER]
+        for runner in manager.cudagraph_runners:  # a runner may still be referenced from elsewhere: drop its graphs
             runner.fwd_graph = runner.bwd_graph = None
-            runner.cudagraph_created = runner.fwd_graph_recorded = runner.bwd_graph_recorded = False
         manager.cudagraph_runners.clear()
     for stage in FullCudaGraphWrapper.cuda_graph:
-        FullCudaGraphWrapper.cuda_graph[stage] = None
-        FullCudaGraphWrapper.result[stage] = None
-    delete_cuda_graphs()  # megatron-core's own record and memory pool; collects and empties the cache
-    gc.collect()
+        FullCudaGraphWrapper.cuda_graph[stage] = FullCudaGraphWrapper.result[stage] = None
+    delete_cuda_graphs()  # megatron-core's own record and memory pool; it collects garbage and empties the cache
     torch.cuda.synchronize()
 
 
