@@ -111,15 +111,18 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
     transfer = _transfer_times(timelines, awaited)
     expected_transfer = medians_of_others(transfer, timelines.role_key)
     charged_links = defaultdict(float)
-    expected_lengths = []  # each iteration's length less what was charged for it: what the run took unslowed
-    unmeasured_us = 0.0  # own work on the paths that spans unrecorded collectives
+    # Each iteration's measured length less what was charged for it: what its measured part took unslowed.
+    # Own work that spans unrecorded collectives (--trace-tp-microbatches) is left out: nobody is charged for
+    # it, so its jitter cannot add up in anyone's delay, and a slow rank's varying excess there must not raise
+    # the bar that its measured excess has to clear.
+    expected_lengths = []
     for path in paths:
-        charged = 0.0
+        charged = unmeasured = 0.0
         for record in path.work:
             delay = ranks[int(timelines.rank[record])]
             delay.path_us += timelines.gap[record]
             if timelines.opaque[record]:
-                unmeasured_us += timelines.gap[record]
+                unmeasured += timelines.gap[record]
             if comparable[record]:
                 delay.charged_us += timelines.gap[record] - expected_gap[record]
                 charged += timelines.gap[record] - expected_gap[record]
@@ -129,7 +132,7 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
             if instance.kind == "p2p" and not np.isnan(excess):
                 charged_links[instance.src, instance.dst] += float(excess)
                 charged += float(excess)
-        expected_lengths.append(path.length_us - charged)
+        expected_lengths.append(path.length_us - unmeasured - charged)
     # Off the iteration's path too, the work before an operation that others waited for delayed them: a
     # slow GPU in the DP replica that was not the slowest still held its own replica back.
     waited_for = np.fromiter(timelines.last_arrival.values(), dtype=np.int64, count=len(timelines.last_arrival))
@@ -141,10 +144,8 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
         delay.caused_records = int(records[rank]) if rank < len(records) else 0
     _split_host_and_device(timelines, waited_for, ranks)
     _add_masked(timelines, awaited, comparable, timelines.gap - expected_gap, ranks)
-    path_us = sum(path.length_us for path in paths)
-    measured_share = 1.0 - float(unmeasured_us) / path_us if path_us > 0 else 1.0
-    return DelayAttribution(path_us, len(paths), ranks, dict(charged_links),
-                            estimate_noise(timelines, expected_gap, expected_lengths, measured_share))
+    return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links),
+                            estimate_noise(timelines, expected_gap, expected_lengths))
 
 
 def _split_host_and_device(timelines, waited_for, ranks):

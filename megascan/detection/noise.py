@@ -2,8 +2,8 @@
 delay must exceed before anyone is named.
 
 Two spreads, both robust (1.4826 x the median absolute deviation, the standard deviation of a normal
-sample): from iteration to iteration (the critical paths' lengths less what was charged to anyone on them,
-so that a slow rank whose slowness varies does not raise the bar it must clear), and from peer to peer (each record's
+sample): from iteration to iteration (the critical paths' measured lengths less what was charged to anyone on
+them, so that a slow rank whose slowness varies does not raise the bar it must clear), and from peer to peer (each record's
 own work against the same work on its peers of the same role, where there are at least three of them). A
 rank that delayed others is named only if what it caused exceeds twice both: the spread of the traced
 iterations' sum and the peers' spread over the operations at which it was waited for. A healthy rank that
@@ -36,30 +36,22 @@ def _robust_spread(values):
 
 @dataclass
 class RunNoise:
-    iteration_spread_us: float = 0.0  # of one iteration's length
+    iteration_spread_us: float = 0.0  # of one iteration's measured length (where delays can be charged)
     peer_spread_us: float = 0.0  # of one record's own work against its peers'
-    # The share of the critical paths' time that delays can be charged in: the rest is own work that spans
-    # unrecorded collectives (--trace-tp-microbatches), where nobody is charged, and whose jitter then
-    # cannot add up in anyone's delay either.
-    measured_share: float = 1.0
 
     def floor_us(self, iterations: int, records: int) -> float:
         """The delay that the run's own noise could explain, over ``iterations`` and ``records`` operations: a
         sum of n iterations' deviations spreads sqrt(n) times one's; a rank last at an operation by chance is
-        late there by about one peer spread, and such lateness only adds up. Of each iteration only the
-        measured share counts: jitter spread over a share s of n iterations adds up like that of s * n."""
-        return NOISE_SPREADS * max(self.iteration_spread_us * math.sqrt(iterations * self.measured_share),
-                                   self.peer_spread_us * records)
+        late there by about one peer spread, and such lateness only adds up."""
+        return NOISE_SPREADS * max(self.iteration_spread_us * math.sqrt(iterations), self.peer_spread_us * records)
 
 
-def estimate_noise(timelines: RankTimelines, expected_gap: np.ndarray, iteration_us: list[float],
-                   measured_share: float = 1.0) -> RunNoise:
+def estimate_noise(timelines: RankTimelines, expected_gap: np.ndarray, iteration_us: list[float]) -> RunNoise:
     """RunNoise of a run: ``expected_gap`` is each record's peers' own work (nan where it has none), ``iteration_us``
-    each iteration's length less its charges, ``measured_share`` RunNoise's. The peers'
+    each iteration's measured length less its charges. The peers'
     spread is taken where at least MIN_PEERS ranks did the same work: between two peers every difference is
     both ranks' deviation at once, so a slow rank would make its own yardstick (a TP2 stage of a small job)."""
     comparable = ~np.isnan(expected_gap)
     members = np.bincount(timelines.role_key)[timelines.role_key]
     usable = comparable & (members >= MIN_PEERS)
-    return RunNoise(_robust_spread(iteration_us), _robust_spread(timelines.gap[usable] - expected_gap[usable]),
-                    measured_share)
+    return RunNoise(_robust_spread(iteration_us), _robust_spread(timelines.gap[usable] - expected_gap[usable]))
