@@ -1,13 +1,13 @@
 """How much a job's timing varies on its own, estimated from the run itself: the yardstick a rank's caused
 delay must exceed before anyone is named.
 
-Two spreads, both robust (1.4826 x the median absolute deviation, the standard deviation of a normal
-sample): from iteration to iteration (the critical paths' measured lengths less what was charged to anyone on
-them, so that a slow rank whose slowness varies does not raise the bar it must clear), and from peer to peer (each record's
-own work against the same work on its peers of the same role, where there are at least three of them). A
-rank that delayed others is named only if what it caused exceeds twice both: the spread of the traced
-iterations' sum and the peers' spread over the operations at which it was waited for. A healthy rank that
-is last now and then, by the run's ordinary jitter, stays below that.
+Two spreads, both robust (1.4826 x the median absolute deviation, the standard deviation of a normal sample):
+from iteration to iteration (the critical paths' measured lengths less what was charged to anyone on them, so
+that a slow rank whose slowness varies does not raise the bar it must clear), and from peer to peer (each
+record's own work against the same work on its peers of the same role, where there are at least three of
+them). A rank that delayed others is named only if what it caused exceeds twice both: the spread of the traced
+iterations' sum and the peers' spread over the operations at which it was waited for. A healthy rank that is
+last now and then, by the run's ordinary jitter, stays below that.
 """
 
 from __future__ import annotations
