@@ -1,7 +1,7 @@
 """MegaScope's hook sites: the one table of every place in megatron-core's GPTModel (local layer spec) that
 MegaScope reads or writes, each under one name that every feature and the protocol use.
 
-Per site: where its module is in a GPTModel (``decoder.layers.{l}.`` marks a per-layer site), what is read
+Per site: where its module is in a GPTModel (``decoder.layers.{l}`` marks a per-layer site), what is read
 there, how a tensor-parallel rank holds it, its dims after the token dim, and what the features may do with it:
 capture it, patch it, perturb it (which perturbation kinds) and whether direct logit attribution has a part
 for it. Capture, patching, perturbations, attribution and the welcome message all look sites up here; the
@@ -60,39 +60,39 @@ def _layer(path: str = "") -> str:
     return f"{LAYER}.{path}" if path else LAYER
 
 
-_ACTIVATION_EDITS = {"capture": True, "patch": True}
+_CAPTURED_AND_PATCHED = {"capture": True, "patch": True}
 HOOK_SITES = {site.name: site for site in (  # in the order of the forward
-    HookSite("embed", "embedding", OUTPUT, HIDDEN, ("hidden",), **_ACTIVATION_EDITS,
+    HookSite("embed", "embedding", OUTPUT, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
              perturb=(STORAGE, CALCULATION), attribution=True, weights="embedding.word_embeddings"),
-    HookSite("ln1", _layer("input_layernorm"), OUTPUT, HIDDEN, ("hidden",), **_ACTIVATION_EDITS,
+    HookSite("ln1", _layer("input_layernorm"), OUTPUT, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
              perturb=(STORAGE, CALCULATION), weights=_layer("input_layernorm")),
     HookSite("attn.qkv", _layer("self_attention.linear_qkv"), WEIGHTS, None, perturb=(STORAGE,),
              weights=_layer("self_attention.linear_qkv")),
     HookSite("attn.q", _layer("self_attention.linear_qkv"), QUERY_COLUMNS, FUSED_QKV, ("head", "d_head"),
-             **_ACTIVATION_EDITS),
+             **_CAPTURED_AND_PATCHED),
     HookSite("attn.k", _layer("self_attention.linear_qkv"), KEY_COLUMNS, FUSED_QKV, ("head", "d_head"),
-             **_ACTIVATION_EDITS),
+             **_CAPTURED_AND_PATCHED),
     HookSite("attn.v", _layer("self_attention.linear_qkv"), VALUE_COLUMNS, FUSED_QKV, ("head", "d_head"),
-             **_ACTIVATION_EDITS),
+             **_CAPTURED_AND_PATCHED),
     # The fused attention kernels never form the pattern: read only, recomputed.
     HookSite("attn.pattern", _layer("self_attention.core_attention"), SOFTMAX, HEADS, ("head", "key"),
              capture=True),
     HookSite("attn.proj", _layer("self_attention.linear_proj"), WEIGHTS, None, perturb=(STORAGE,),
              weights=_layer("self_attention.linear_proj")),
-    HookSite("attn.out", _layer("self_attention"), OUTPUT_PLUS_BIAS, HIDDEN, ("hidden",), **_ACTIVATION_EDITS,
+    HookSite("attn.out", _layer("self_attention"), OUTPUT_PLUS_BIAS, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
              perturb=(CALCULATION,), attribution=True),
     # megatron-core adds the residual to the MLP's output in a function, not a module: read only.
     HookSite("resid_mid", _layer("pre_mlp_layernorm"), INPUT, HIDDEN, ("hidden",), capture=True),
     HookSite("ln2", _layer("pre_mlp_layernorm"), WEIGHTS, None, perturb=(STORAGE,),
              weights=_layer("pre_mlp_layernorm")),
     HookSite("mlp.fc1", _layer("mlp.linear_fc1"), WEIGHTS, None, perturb=(STORAGE,), weights=_layer("mlp.linear_fc1")),
-    HookSite("mlp.pre", _layer("mlp.linear_fc2"), INPUT, COLUMNS, ("ffn",), **_ACTIVATION_EDITS,
+    HookSite("mlp.pre", _layer("mlp.linear_fc2"), INPUT, COLUMNS, ("ffn",), **_CAPTURED_AND_PATCHED,
              perturb=(CALCULATION,)),
     HookSite("mlp.fc2", _layer("mlp.linear_fc2"), WEIGHTS, None, perturb=(STORAGE,), weights=_layer("mlp.linear_fc2")),
-    HookSite("mlp.out", _layer("mlp"), OUTPUT_PLUS_BIAS, HIDDEN, ("hidden",), **_ACTIVATION_EDITS,
+    HookSite("mlp.out", _layer("mlp"), OUTPUT_PLUS_BIAS, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
              perturb=(CALCULATION,), attribution=True),
-    HookSite("resid_post", _layer(), OUTPUT, HIDDEN, ("hidden",), **_ACTIVATION_EDITS, perturb=(SYSTEM,)),
-    HookSite("final_norm", "decoder.final_layernorm", OUTPUT, HIDDEN, ("hidden",), **_ACTIVATION_EDITS,
+    HookSite("resid_post", _layer(), OUTPUT, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED, perturb=(SYSTEM,)),
+    HookSite("final_norm", "decoder.final_layernorm", OUTPUT, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
              perturb=(CALCULATION,), attribution=True),
     # A patched logits row would only be the source's logits.
     HookSite("logits", "output_layer", OUTPUT, COLUMNS, ("vocab",), capture=True),
