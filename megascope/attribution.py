@@ -29,7 +29,8 @@ import torch
 from megatron.core import parallel_state
 
 from megascope.distributed import all_gather_along, broadcast_from_last_stage
-from megascope.hooks import ModuleHooks, global_layer_index, unwrap_model
+from megascope.hook_sites import HOOK_SITES, site_modules
+from megascope.hooks import ModuleHooks, unwrap_model
 from megascope.logit_lens import output_weight
 from megascope.wire import encode_data_frame
 from megatron.training.collectives import gather_objects
@@ -116,17 +117,18 @@ class Attribution(ModuleHooks):
         self.seen = {}
         self.projections = {}  # layer -> its attention's linear_proj
         for model in self.models:
-            if model.pre_process:
-                self._after(model.embedding, "embed")
+            for _, embedding in site_modules(model, HOOK_SITES["embed"]):
+                self._after(embedding, "embed")
             if model.post_process:
-                norm = getattr(model.decoder, "final_layernorm", None)
+                norm = next((module for _, module in site_modules(model, HOOK_SITES["final_norm"])), None)
                 self._before(norm or model.output_layer, "residual")
                 self._after(norm or model.output_layer, "normed", module_input=norm is None)
-            for layer in model.decoder.layers:
-                index = global_layer_index(layer)
-                self.projections[index] = layer.self_attention.linear_proj
-                self._before(layer.self_attention.linear_proj, ("heads", index))
-                self._after(layer.mlp, ("mlp", index))
+            # attn.out's part, per head: each head's slice of linear_proj's input through W_O
+            for index, projection in site_modules(model, HOOK_SITES["attn.proj"]):
+                self.projections[index] = projection
+                self._before(projection, ("heads", index))
+            for index, mlp in site_modules(model, HOOK_SITES["mlp.out"]):
+                self._after(mlp, ("mlp", index))
 
     def _before(self, module, key):
         self.handles.append(module.register_forward_pre_hook(

@@ -20,19 +20,8 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from megascope.capture_spec import CaptureSpec  # noqa: F401  (the API: from megascope.capture import CaptureSpec)
 from megascope.distributed import all_gather_along
-from megascope.hooks import (
-    COLUMNS,
-    FUSED_QKV,
-    HEADS,
-    HOOK_NAMES,
-    HOOK_POINTS,
-    HookInstaller,
-    attention_pattern,
-    full_hook_name,
-    softmax_scale,
-    split_fused_qkv,
-    unwrap_model,
-)
+from megascope.hook_sites import CAPTURED, COLUMNS, FUSED_QKV, HEADS, HOOK_SITES, full_hook_name
+from megascope.hooks import QKV, HookInstaller, attention_pattern, softmax_scale, split_fused_qkv, unwrap_model
 from megascope.logit_lens import LOGIT_LENS_DIMS, logit_lens_on_last_stage
 from megascope.reductions import Reduction
 from megatron.training.collectives import gather_objects
@@ -61,7 +50,7 @@ class Record:
 
 def _record_order(record):
     position = 0 if record.hook == "embed" else 2 if record.layer is None else 1
-    hook_rank = HOOK_NAMES.index(record.hook) if record.hook in HOOK_NAMES else len(HOOK_NAMES)
+    hook_rank = CAPTURED.index(record.hook) if record.hook in CAPTURED else len(CAPTURED)
     return position, record.layer or 0, hook_rank, record.prompt_index
 
 
@@ -78,12 +67,9 @@ class Capture:
         self.stored = {}
         self.forward_counts = {}
         self.step_tokens = None
-        self.installer = HookInstaller(self._store)
+        self.installer = HookInstaller(self._store, self._store_pattern)
         for model in self.models:
-            self.installer.install_model_hooks(model, names)
-            for layer in model.decoder.layers:
-                if spec.wants_layer(layer.layer_number - 1):
-                    self.installer.install_layer_hooks(layer, names, self._store_pattern)
+            self.installer.install(model, names, spec.wants_layer)
             if "logits" in names and model.post_process and len(model.decoder.layers) > 0:
                 self.installer.handles.append(model.decoder.layers[0].register_forward_pre_hook(
                     self._count_step_tokens, with_kwargs=True))
@@ -123,7 +109,7 @@ class Capture:
     # -- collect ------------------------------------------------------------------------------
     def _gather_tp(self, name, tensor):
         tp = parallel_state.get_tensor_model_parallel_group()
-        layout = HOOK_POINTS["attn.q" if name == "qkv" else name].layout
+        layout = FUSED_QKV if name == QKV else HOOK_SITES[name].layout
         if name == "logits" and tensor.size(-1) != self._vocab_shard_size():
             return tensor  # inference gathers the vocabulary itself (runtime_gather_output)
         if layout in (COLUMNS, FUSED_QKV):
@@ -140,7 +126,7 @@ class Capture:
         whole = {}
         for (name, layer), tensor in sorted(self.stored.items()):
             full = self._gather_tp(name, tensor)
-            if name == "qkv":
+            if name == QKV:
                 config = self.config
                 q, k, v = split_fused_qkv(full, config.num_attention_heads,
                                           config.num_query_groups or config.num_attention_heads, config.kv_channels)
@@ -191,7 +177,7 @@ class Capture:
             for (name, layer), tensor in whole.items():
                 if name in self.returned:
                     local += self._records(name, layer, tensor, self._positions(name, tensor.size(0), token_offset),
-                                           HOOK_POINTS[name].dims, self.spec.reduction_for(name))
+                                           HOOK_SITES[name].dims, self.spec.reduction_for(name))
         return _gather_to_first_rank(local)
 
 

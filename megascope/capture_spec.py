@@ -4,10 +4,11 @@ docs/megascope_protocol.md); every mistake is a ProtocolError naming the field."
 from dataclasses import dataclass, field
 
 from megascope.errors import ProtocolError, within
-from megascope.hooks import HOOK_NAMES, HOOK_POINTS, hook_point
+from megascope.hook_sites import CAPTURED, HOOK_SITES
 from megascope.reductions import Reduction
 
 _FIELDS = ("hooks", "layers", "tokens", "reduction", "reductions", "topk", "logit_lens", "pca", "sample", "attribution")
+_PCA_FIELDS = ("hook", "layer")
 MAX_TOPK = 100
 
 
@@ -21,6 +22,12 @@ def _int(value, name, minimum=0, maximum=None):
         bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
         raise _bad(f"{name} must be an integer {bound}", name)
     return value
+
+
+def _captured_site(name, field):
+    if name not in CAPTURED:
+        raise ProtocolError("bad_hook", f"unknown hook {name!r}; known hooks: {', '.join(CAPTURED)}", field)
+    return HOOK_SITES[name]
 
 
 def _range(value, name):
@@ -61,11 +68,13 @@ class CaptureSpec:
         unknown = sorted(set(obj) - set(_FIELDS))
         if unknown:
             raise _bad(f"unknown capture field {unknown[0]!r}; known: {', '.join(_FIELDS)}", unknown[0])
-        hooks = obj.get("hooks", [])
+        if "hooks" not in obj:
+            raise _bad("hooks is required: a list of hook names, [] for none", "hooks")
+        hooks = obj["hooks"]
         if not isinstance(hooks, list) or not all(isinstance(h, str) for h in hooks):
-            raise _bad(f"hooks must be a list of hook names ({', '.join(HOOK_NAMES)})", "hooks")
+            raise _bad(f"hooks must be a list of hook names ({', '.join(CAPTURED)})", "hooks")
         for name in hooks:
-            hook_point(name)
+            _captured_site(name, "hooks")
         reduction = Reduction.parse(obj.get("reduction", "none"), "reduction")
         reductions = obj.get("reductions") or {}
         if not isinstance(reductions, dict):
@@ -76,7 +85,7 @@ class CaptureSpec:
                 raise _bad(f"reductions names {name!r}, which is not among the captured hooks", "reductions")
             per_hook[name] = Reduction.parse(text, f"reductions.{name}")
         for name in hooks:
-            per_hook.get(name, reduction).check_applies_to(HOOK_POINTS[name].dims, name,
+            per_hook.get(name, reduction).check_applies_to(HOOK_SITES[name].dims, name,
                                                            f"reductions.{name}" if name in per_hook else "reduction")
         logit_lens = obj.get("logit_lens", False)
         if not isinstance(logit_lens, bool):
@@ -138,9 +147,12 @@ def parse_capture(obj, num_layers, prefix="capture"):
 def _pca(value, hooks):
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) - {"hook", "layer"}:
+    if not isinstance(value, dict):
         raise _bad('pca must be {"hook": name, "layer": index} or null', "pca")
-    point = hook_point(value.get("hook"), "pca.hook")
+    unknown = sorted(set(value) - set(_PCA_FIELDS))
+    if unknown:
+        raise _bad(f"unknown pca field {unknown[0]!r}; known: {', '.join(_PCA_FIELDS)}", f"pca.{unknown[0]}")
+    point = _captured_site(value.get("hook"), "pca.hook")
     if value["hook"] not in hooks:
         raise _bad(f"pca.hook {value['hook']!r} must also be among the captured hooks", "pca.hook")
     layer = value.get("layer")

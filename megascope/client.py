@@ -6,7 +6,7 @@
         run.activation("blocks.3.resid_post", prompt=0)        # numpy [tokens, hidden]
         patched = scope.patch(["A prompt", "B prompt"],
                               [{"hook": "resid_post", "layers": [3], "source": {"prompt": 1}}])
-        scope.perturb([{"kind": "system", "target": "resid", "noise": "gaussian", "scale": 0.1}])
+        scope.perturb([{"kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 0.1}])
 
 Every call sends one request and reads until its answer; an error frame that answers it is raised as
 ``MegaScopeError`` (its code, message and field). Data frames are decoded by megascope.wire (the one decoder).

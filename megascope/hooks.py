@@ -1,80 +1,26 @@
-"""TransformerLens-style hook points on megatron-core's GPTModel (local layer spec).
+"""Forward hooks at MegaScope's hook sites (megascope/hook_sites.py): reading what a site reads, rewriting it,
+and the tensor helpers they need.
 
-Each hook point names one activation, the megatron-core module it is read from, and how the
-activation is laid out over the tensor-parallel ranks, so that ``capture`` can gather it:
-
-    name            read from                                   layout on a TP rank
-    embed           embedding output                            hidden (sequence-split under SP)
-    ln1             input_layernorm output                      hidden
-    attn.q/k/v      self_attention.linear_qkv output            fused QKV columns (split per head here)
-    attn.pattern    core_attention inputs (softmax recomputed)  heads
-    attn.out        self_attention output (+ its bias)          hidden
-    resid_mid       pre_mlp_layernorm input                     hidden
-    mlp.pre         mlp.linear_fc2 input (after activation)     columns
-    mlp.out         mlp output (+ its bias)                     hidden
-    resid_post      transformer layer output                    hidden
-    final_norm      decoder.final_layernorm output              hidden
-    logits          output_layer output                         columns (vocabulary)
-
-attn.q/k/v are the projections before rotary embeddings (TransformerLens' hook_q/k/v);
-attn.pattern is computed from the query and keys the core attention receives (after rotary, all
-cached keys in a KV-cache decode step), with the model's scale and mask: PyTorch's SDPA kernels do
-not expose their softmax.
+attn.q/k/v are the projections before rotary embeddings (TransformerLens' hook_q/k/v), read as the columns of
+the fused QKV output (stored once, as ``QKV``, and split per head when collected); attn.pattern is computed from
+the query and keys the core attention receives (after rotary, all cached keys in a KV-cache decode step), with
+the model's scale and mask: PyTorch's SDPA kernels do not expose their softmax.
 """
 
 import math
-from dataclasses import dataclass
 
 import torch
 
-from megascope.errors import ProtocolError
+from megascope.hook_sites import (
+    FUSED_QKV_READS,
+    HOOK_SITES,
+    INPUT,
+    OUTPUT_PLUS_BIAS,
+    SOFTMAX,
+    site_modules,
+)
 
-HIDDEN, COLUMNS, HEADS, FUSED_QKV = "hidden", "columns", "heads", "fused_qkv"
-
-
-@dataclass(frozen=True)
-class HookPoint:
-    name: str
-    per_layer: bool
-    layout: str          # how a TP rank holds it (see the module docstring)
-    dims: tuple          # dims after the token dim
-
-MODEL_HOOKS = {
-    "embed": HookPoint("embed", False, HIDDEN, ("hidden",)),
-    "final_norm": HookPoint("final_norm", False, HIDDEN, ("hidden",)),
-    "logits": HookPoint("logits", False, COLUMNS, ("vocab",)),
-}
-LAYER_HOOKS = {
-    "ln1": HookPoint("ln1", True, HIDDEN, ("hidden",)),
-    "attn.q": HookPoint("attn.q", True, FUSED_QKV, ("head", "d_head")),
-    "attn.k": HookPoint("attn.k", True, FUSED_QKV, ("head", "d_head")),
-    "attn.v": HookPoint("attn.v", True, FUSED_QKV, ("head", "d_head")),
-    "attn.pattern": HookPoint("attn.pattern", True, HEADS, ("head", "key")),
-    "attn.out": HookPoint("attn.out", True, HIDDEN, ("hidden",)),
-    "resid_mid": HookPoint("resid_mid", True, HIDDEN, ("hidden",)),
-    "mlp.pre": HookPoint("mlp.pre", True, COLUMNS, ("ffn",)),
-    "mlp.out": HookPoint("mlp.out", True, HIDDEN, ("hidden",)),
-    "resid_post": HookPoint("resid_post", True, HIDDEN, ("hidden",)),
-}
-HOOK_POINTS = {"embed": MODEL_HOOKS["embed"], **LAYER_HOOKS, "final_norm": MODEL_HOOKS["final_norm"],
-               "logits": MODEL_HOOKS["logits"]}  # in the order of the forward
-HOOK_NAMES = tuple(HOOK_POINTS)
-
-
-def full_hook_name(hook, layer):
-    """TransformerLens-style full name: ``blocks.{layer}.{hook}`` for per-layer hooks."""
-    return hook if layer is None else f"blocks.{layer}.{hook}"
-
-
-def full_hook_names():
-    """Every hook's full name, ``{l}`` standing for the layer (the welcome message's list)."""
-    return [full_hook_name(name, "{l}" if point.per_layer else None) for name, point in HOOK_POINTS.items()]
-
-
-def hook_point(name, field="hooks"):
-    if name not in HOOK_POINTS:
-        raise ProtocolError("bad_hook", f"unknown hook {name!r}; known hooks: {', '.join(HOOK_NAMES)}", field)
-    return HOOK_POINTS[name]
+QKV = "qkv"  # the stored fused QKV output of attn.q, attn.k and attn.v
 
 
 def unwrap_model(chunk):
@@ -82,10 +28,6 @@ def unwrap_model(chunk):
     while hasattr(chunk, "module"):
         chunk = chunk.module
     return chunk
-
-
-def global_layer_index(layer):
-    return layer.layer_number - 1  # megatron-core counts layers from 1 across all pipeline stages
 
 
 def _output(output):
@@ -157,47 +99,43 @@ class ModuleHooks:
         self.handles = []
 
 
-class HookInstaller(ModuleHooks):
-    """Registers forward hooks that hand (hook name, layer, tensor) to ``store``; remembers the handles."""
+def rewrite_at(module, site, rewrite):
+    """The handle of a hook on ``module`` that passes what ``site`` reads there through ``rewrite``: its input
+    (a pre-hook) or its output (with the bias added first where the site reads it so)."""
+    if site.reads == INPUT:
+        return module.register_forward_pre_hook(lambda _m, args: (rewrite(args[0]), *args[1:]))
+    with_bias = site.reads == OUTPUT_PLUS_BIAS
+    return module.register_forward_hook(lambda _m, _inputs, output: rewrite_output(output, rewrite, with_bias))
 
-    def __init__(self, store):
+
+class HookInstaller(ModuleHooks):
+    """Registers forward hooks that hand (site name, layer, tensor) to ``store`` and a core attention's
+    (module, layer, args, kwargs) to ``on_pattern``; remembers the handles."""
+
+    def __init__(self, store, on_pattern):
         super().__init__()
         self.store = store
+        self.on_pattern = on_pattern
+
+    def install(self, model, names, wants_layer):
+        """Hooks on one stage's GPTModel for the sites ``names``, at the layers that ``wants_layer`` accepts."""
+        fused_read = set()
+        for site in (site for name, site in HOOK_SITES.items() if name in names):
+            for layer, module in site_modules(model, site, wants_layer):
+                if site.reads in FUSED_QKV_READS:
+                    if layer not in fused_read:  # one hook keeps the fused output for attn.q, .k and .v
+                        fused_read.add(layer)
+                        self._on_output(module, QKV, layer, _output)
+                elif site.reads == SOFTMAX:
+                    self.handles.append(module.register_forward_pre_hook(
+                        lambda m, args, kwargs, layer=layer: self.on_pattern(m, layer, args, kwargs), with_kwargs=True))
+                elif site.reads == INPUT:
+                    self.handles.append(module.register_forward_pre_hook(
+                        lambda _m, inputs, name=site.name, layer=layer: self.store(name, layer, inputs[0])))
+                else:
+                    self._on_output(module, site.name, layer,
+                                    _output_with_bias if site.reads == OUTPUT_PLUS_BIAS else _output)
 
     def _on_output(self, module, name, layer, read):
         self.handles.append(module.register_forward_hook(
             lambda _m, _inputs, output: self.store(name, layer, read(output))))
-
-    def _on_input(self, module, name, layer):
-        self.handles.append(module.register_forward_pre_hook(
-            lambda _m, inputs: self.store(name, layer, inputs[0])))
-
-    def install_model_hooks(self, model, names):
-        if "embed" in names and model.pre_process:
-            self._on_output(model.embedding, "embed", None, _output)
-        if model.post_process:
-            if "final_norm" in names and getattr(model.decoder, "final_layernorm", None) is not None:
-                self._on_output(model.decoder.final_layernorm, "final_norm", None, _output)
-            if "logits" in names:
-                self._on_output(model.output_layer, "logits", None, _output)
-
-    def install_layer_hooks(self, layer, names, on_pattern):
-        index = global_layer_index(layer)
-        attention, mlp = layer.self_attention, layer.mlp
-        if "ln1" in names:
-            self._on_output(layer.input_layernorm, "ln1", index, _output)
-        if names & {"attn.q", "attn.k", "attn.v"}:
-            self._on_output(attention.linear_qkv, "qkv", index, _output)
-        if "attn.pattern" in names:
-            self.handles.append(attention.core_attention.register_forward_pre_hook(
-                lambda module, args, kwargs: on_pattern(module, index, args, kwargs), with_kwargs=True))
-        if "attn.out" in names:
-            self._on_output(attention, "attn.out", index, _output_with_bias)
-        if "resid_mid" in names:
-            self._on_input(layer.pre_mlp_layernorm, "resid_mid", index)
-        if "mlp.pre" in names:
-            self._on_input(mlp.linear_fc2, "mlp.pre", index)
-        if "mlp.out" in names:
-            self._on_output(mlp, "mlp.out", index, _output_with_bias)
-        if "resid_post" in names:
-            self._on_output(layer, "resid_post", index, _output)

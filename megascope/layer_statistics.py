@@ -10,7 +10,8 @@ so every layout reports the same numbers.
 import torch
 from megatron.core import parallel_state
 
-from megascope.hooks import ModuleHooks, global_layer_index, unwrap_model
+from megascope.hook_sites import global_layer_index
+from megascope.hooks import ModuleHooks, unwrap_model
 from megatron.training.layout_invariant_init import global_parameter_names
 
 

@@ -21,21 +21,18 @@ import torch
 from megatron.core import parallel_state
 
 from megascope.errors import ProtocolError, within
-from megascope.hooks import (
+from megascope.hook_sites import (
     FUSED_QKV,
     HIDDEN,
-    HOOK_POINTS,
-    ModuleHooks,
-    global_layer_index,
-    rewrite_output,
-    unwrap_model,
+    HOOK_SITES,
+    KEY_COLUMNS,
+    PATCHABLE,
+    QUERY_COLUMNS,
+    site_modules,
 )
+from megascope.hooks import ModuleHooks, rewrite_at, unwrap_model
 
-# Hooks whose activation is a module's output or input that the rest of the model reads: writing it there is
-# the patch. resid_mid reaches the MLP's residual through a function, attn.pattern is never materialised by
-# SDPA, and a patched logits row would only be the source's logits: those are refused.
-PATCHABLE = ("embed", "ln1", "attn.q", "attn.k", "attn.v", "attn.out", "mlp.pre", "mlp.out", "resid_post",
-             "final_norm")
+_HEADED = tuple(name for name, site in HOOK_SITES.items() if site.layout == FUSED_QKV)
 SOURCES = ("zero", "mean")
 _FIELDS = ("hook", "layers", "heads", "positions", "prompts", "source")
 
@@ -86,7 +83,7 @@ class Patch:
         if name not in PATCHABLE:
             raise ProtocolError("bad_hook", f"hook {json.dumps(name)[:40]} cannot be patched; patchable hooks: "
                                 f"{', '.join(PATCHABLE)}", "hook")
-        point = HOOK_POINTS[name]
+        point = HOOK_SITES[name]
         source = obj.get("source")
         if isinstance(source, dict) and set(source) == {"prompt"}:
             source = _indices([source["prompt"]], "source.prompt", "prompts")[0]
@@ -97,7 +94,7 @@ class Patch:
             raise _bad(f"layers must be null for {name!r}, which has no layer", "layers")
         heads = _indices(obj.get("heads"), "heads", "heads")
         if heads is not None and point.layout != FUSED_QKV:
-            raise _bad(f"heads apply to attn.q, attn.k and attn.v only, not {name!r}; leave heads out", "heads")
+            raise _bad(f"heads apply to {', '.join(_HEADED)} only, not {name!r}; leave heads out", "heads")
         prompts = _indices(obj.get("prompts"), "prompts", "prompts")
         return cls(name, source, layers, heads, _indices(obj.get("positions"), "positions", "positions"), prompts)
 
@@ -114,7 +111,8 @@ class Patch:
         if outside:
             raise _bad(f"layers {outside} are not layers of this model: use indices from 0 to {layers - 1}",
                        "layers")
-        heads = model["num_attention_heads"] if self.hook == "attn.q" else model["num_query_groups"]
+        query = HOOK_SITES[self.hook].reads == QUERY_COLUMNS
+        heads = model["num_attention_heads"] if query else model["num_query_groups"]
         outside = [head for head in self.heads or () if head >= heads]
         if outside:
             raise _bad(f"heads {outside} are not {self.hook} heads of this model (it has {heads}): use indices "
@@ -126,6 +124,9 @@ class Patch:
         for name in ("layers", "heads", "positions", "prompts"):
             obj[name] = None if obj[name] is None else list(obj[name])
         return obj
+
+    def wants_layer(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
 
     def targets(self, batch: int) -> list:
         if self.prompts is not None:
@@ -171,37 +172,17 @@ class Patcher(ModuleHooks):
             self._install(patch)
 
     def _install(self, patch):
+        site = HOOK_SITES[patch.hook]
         for model in self.models:
-            if patch.hook == "embed":
-                if model.pre_process:
-                    self._on_output(model.embedding, patch)
-                continue
-            if patch.hook == "final_norm":
-                if model.post_process and getattr(model.decoder, "final_layernorm", None) is not None:
-                    self._on_output(model.decoder.final_layernorm, patch)
-                continue
-            for layer in model.decoder.layers:
-                if patch.layers is not None and global_layer_index(layer) not in patch.layers:
-                    continue
-                if patch.hook == "mlp.pre":  # the input of fc2
-                    self.handles.append(layer.mlp.linear_fc2.register_forward_pre_hook(
-                        lambda _m, args, patch=patch: (self._patched(args[0], patch), *args[1:])))
-                    continue
-                module = {"ln1": layer.input_layernorm, "attn.q": layer.self_attention.linear_qkv,
-                          "attn.k": layer.self_attention.linear_qkv, "attn.v": layer.self_attention.linear_qkv,
-                          "attn.out": layer.self_attention, "mlp.out": layer.mlp, "resid_post": layer}[patch.hook]
-                self._on_output(module, patch)
-
-    def _on_output(self, module, patch):
-        with_bias = patch.hook in ("attn.out", "mlp.out")  # read (and captured) with their bias added
-        self.handles.append(module.register_forward_hook(
-            lambda _m, _inputs, output: rewrite_output(output, lambda t: self._patched(t, patch), with_bias)))
+            for _layer, module in site_modules(model, site, patch.wants_layer):
+                self.handles.append(rewrite_at(module, site, lambda values, patch=patch: self._patched(values, patch)))
 
     def _patched(self, values, patch):
         """``values`` [s, b, ...] (this rank's piece) with the patch's rows, positions and columns replaced."""
         tokens, batch = values.shape[0], values.shape[1]
         first = self.start
-        if HOOK_POINTS[patch.hook].layout == HIDDEN and self.sequence_split:
+        site = HOOK_SITES[patch.hook]
+        if site.layout == HIDDEN and self.sequence_split:
             first += self.tp_rank * tokens  # this rank's slice of the sequence
         positions = torch.zeros(tokens, dtype=torch.bool)
         for position in patch.positions_within(first, first + tokens):
@@ -218,24 +199,24 @@ class Patcher(ModuleHooks):
             replacement = values[:, patch.source:patch.source + 1].expand_as(values)
         mask = (positions[:, None] & rows[None, :]).to(values.device)
         mask = mask.reshape(tokens, batch, *[1] * (values.dim() - 2))
-        if HOOK_POINTS[patch.hook].layout == FUSED_QKV:  # only q's, k's or v's columns of the fused output
-            mask = mask & self._head_columns(patch).to(values.device)
+        if site.layout == FUSED_QKV:  # only q's, k's or v's columns of the fused output
+            mask = mask & self._head_columns(patch, site.reads).to(values.device)
         return torch.where(mask, replacement, values)
 
-    def _head_columns(self, patch):
-        """This rank's fused-QKV columns that hold the patch's heads of its hook (q, k or v)."""
+    def _head_columns(self, patch, reads):
+        """This rank's fused-QKV columns that hold the patch's heads of its hook (q, k or v: ``reads``)."""
         local_groups = self.groups // self.tp_size
         per_group = self.heads // self.groups
         columns = torch.zeros(local_groups, per_group + 2, self.head_dim, dtype=torch.bool)
         first_group = self.tp_rank * local_groups
-        if patch.hook == "attn.q":
+        if reads == QUERY_COLUMNS:
             heads = range(self.heads) if patch.heads is None else patch.heads
             for head in heads:
                 group = head // per_group - first_group
                 if 0 <= group < local_groups:
                     columns[group, head % per_group] = True
         else:
-            slot = per_group if patch.hook == "attn.k" else per_group + 1
+            slot = per_group if reads == KEY_COLUMNS else per_group + 1
             for group in range(self.groups) if patch.heads is None else patch.heads:
                 if 0 <= group - first_group < local_groups:
                     columns[group - first_group, slot] = True

@@ -2,11 +2,11 @@
 
     {"id", "kind", "target", "noise", "scale", "seed", "layers", "enabled"}
 
-kind     target                                         acts on
-storage  attn.qkv attn.proj mlp.fc1 mlp.fc2 ln1 ln2     the weights (and biases) of those modules, in place,
-         embed                                          until removed; removal restores them bit for bit
-calc.    embed ln1 attn.out mlp.pre mlp.out final_norm  that hook's output during every forward
-system   resid                                          the residual stream after each chosen layer
+The targets of each kind are the hook sites (megascope/hook_sites.py) that declare it: storage adds noise to the
+weights (and biases) of the site's module, in place, until removed (removal restores them bit for bit);
+calculation to what the site reads, during every forward; system to the residual stream after each chosen layer
+(resid_post; protocol 2 called it resid).
+
 noise: gaussian x + N(0, scale^2); uniform x * U(1 - scale, 1 + scale); bitflip: each bit of the 16-bit
 (bf16/fp16) storage flipped with probability `scale` (fp32 tensors: the upper 16 bits, i.e. their
 bf16 part); constant x + scale.
@@ -24,16 +24,21 @@ import torch
 from megatron.core import parallel_state
 
 from megascope.errors import ProtocolError, within
-from megascope.hooks import ModuleHooks, global_layer_index, rewrite_output, unwrap_model
+from megascope.hook_sites import (
+    COLUMNS,
+    HOOK_SITES,
+    PERTURBATION_TARGETS,
+    RENAMED,
+    STORAGE,
+    full_hook_name,
+    site_modules,
+)
+from megascope.hooks import ModuleHooks, rewrite_at, unwrap_model
 from megatron.training.layout_invariant_init import full_shape, global_parameter_names, this_ranks_shard
 
-STORAGE_TARGETS = {"attn.qkv": "self_attention.linear_qkv", "attn.proj": "self_attention.linear_proj",
-                   "mlp.fc1": "mlp.linear_fc1", "mlp.fc2": "mlp.linear_fc2", "ln1": "input_layernorm",
-                   "ln2": "pre_mlp_layernorm", "embed": None}
-CALCULATION_TARGETS = ("embed", "ln1", "attn.out", "mlp.pre", "mlp.out", "final_norm")
-TARGETS = {"storage": tuple(STORAGE_TARGETS), "calculation": CALCULATION_TARGETS, "system": ("resid",)}
 NOISE_TYPES = ("gaussian", "uniform", "bitflip", "constant")
-_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+# A renamed site's noise keeps the name it had when a seed could first target it: the same seed, the same noise.
+_NOISE_NAMES = {new: old for old, new in RENAMED.items()}
 
 
 def _bad(message, field):
@@ -60,11 +65,14 @@ class Perturbation:
         if unknown:
             raise _bad(f"unknown perturbation field {unknown[0]!r}; known: {', '.join(sorted(known))}", unknown[0])
         kind = obj.get("kind")
-        if kind not in TARGETS:
-            raise _bad(f"kind must be one of {', '.join(TARGETS)}", "kind")
+        if kind not in PERTURBATION_TARGETS:
+            raise _bad(f"kind must be one of {', '.join(PERTURBATION_TARGETS)}", "kind")
         target = obj.get("target")
-        if target not in TARGETS[kind]:
-            raise _bad(f"target of a {kind} perturbation must be one of {', '.join(TARGETS[kind])}", "target")
+        if isinstance(target, str):
+            target = RENAMED.get(target, target)
+        if target not in PERTURBATION_TARGETS[kind]:
+            raise _bad(f"target of a {kind} perturbation must be one of {', '.join(PERTURBATION_TARGETS[kind])}",
+                       "target")
         noise = obj.get("noise")
         if noise not in NOISE_TYPES:
             raise _bad(f"noise must be one of {', '.join(NOISE_TYPES)}", "noise")
@@ -169,8 +177,7 @@ class PerturbationSet(ModuleHooks):
 
     def __init__(self, model_chunks, args=None):
         super().__init__()
-        self.chunks = list(model_chunks)
-        self.models = [unwrap_model(chunk) for chunk in self.chunks]
+        self.models = [unwrap_model(chunk) for chunk in model_chunks]
         self.active = []
         self.originals = {}     # parameter -> its untouched copy (exact restore)
         self.forward_counts = {}
@@ -181,7 +188,7 @@ class PerturbationSet(ModuleHooks):
         self.active = list(perturbations)
         self.apply_storage()
         for p in self.active:
-            if p.enabled and p.kind != "storage":
+            if p.enabled and p.kind != STORAGE:
                 self._install(p)
 
     def clear(self):
@@ -195,26 +202,21 @@ class PerturbationSet(ModuleHooks):
     # -- storage ------------------------------------------------------------------------------
     def _storage_parameters(self, p):
         """(global name, parameter) pairs this storage perturbation touches on this rank."""
-        for _chunk, model in zip(self.chunks, self.models):
+        site = HOOK_SITES[p.target]
+        layers = range(self.models[0].config.num_layers)
+        owners = ({site.weights.format(l=layer) for layer in layers if p.wants_layer(layer)} if site.per_layer
+                  else {site.weights})
+        for model in self.models:
             names = global_parameter_names(model)
             for name, param in model.named_parameters():
-                global_name = names[name]
-                if p.target == "embed":
-                    if global_name == _WORD_EMBEDDING:  # also the last stage's copy of a tied embedding
-                        yield global_name, param
-                    continue
-                parts = global_name.split(".")
-                if len(parts) < 4 or parts[0] != "decoder" or parts[1] != "layers":
-                    continue
-                module_path = ".".join(parts[3:-1])
-                if module_path == STORAGE_TARGETS[p.target] and p.wants_layer(int(parts[2])):
-                    yield global_name, param
+                if names[name].rpartition(".")[0] in owners:  # also the last stage's copy of a tied embedding
+                    yield names[name], param
 
     @torch.no_grad()
     def apply_storage(self):
         """Add the storage noise to the weights (saving exact copies first)."""
         for p in self.active:
-            if not (p.enabled and p.kind == "storage"):
+            if not (p.enabled and p.kind == STORAGE):
                 continue
             for global_name, param in self._storage_parameters(p):
                 self.originals.setdefault(param, param.detach().clone())
@@ -230,40 +232,16 @@ class PerturbationSet(ModuleHooks):
 
     # -- calculation and system ---------------------------------------------------------------
     def _install(self, p):
-        sequence = self._sequence_piece
-        for model in self.models:
-            if p.target == "embed":
-                if model.pre_process:
-                    self._hook_output(model.embedding, p, "embed", sequence)
-                continue
-            if p.target == "final_norm":
-                if model.post_process and getattr(model.decoder, "final_layernorm", None) is not None:
-                    self._hook_output(model.decoder.final_layernorm, p, "final_norm", sequence)
-                continue
-            for layer in model.decoder.layers:
-                index = global_layer_index(layer)
-                if not p.wants_layer(index):
-                    continue
-                name = f"blocks.{index}.{p.target}"
-                if p.target == "mlp.pre":  # the input of fc2, split by columns over TP
-                    self.handles.append(layer.mlp.linear_fc2.register_forward_pre_hook(
-                        lambda _m, args, p=p, name=name: (self._noisy(args[0], p, name, _column_shard, -1),
-                                                          *args[1:])))
-                    continue
-                module = {"resid": layer, "ln1": layer.input_layernorm, "attn.out": layer.self_attention,
-                          "mlp.out": layer.mlp}[p.target]
-                self._hook_output(module, p, name, sequence)
-
-    @property
-    def _sequence_piece(self):
-        """Hidden activations are whole on every TP rank, but sequence-split under sequence parallelism."""
+        site = HOOK_SITES[p.target]
+        # Hidden activations are whole on every TP rank, but sequence-split under sequence parallelism; the
+        # columns of mlp.pre are split over TP.
         split = self.models[0].config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
-        return _sequence_shard if split else None
-
-    def _hook_output(self, module, p, name, shard):
-        with_bias = name.endswith(("attn.out", "mlp.out"))  # the output includes its bias
-        self.handles.append(module.register_forward_hook(lambda _module, _inputs, output: rewrite_output(
-            output, lambda values: self._noisy(values, p, name, shard, 0), with_bias)))
+        shard, split_dim = (_column_shard, -1) if site.layout == COLUMNS else (_sequence_shard if split else None, 0)
+        for model in self.models:
+            for layer, module in site_modules(model, site, p.wants_layer):
+                name = full_hook_name(_NOISE_NAMES.get(site.name, site.name), layer)
+                self.handles.append(rewrite_at(module, site, lambda values, name=name: self._noisy(
+                    values, p, name, shard, split_dim)))
 
     def _noisy(self, values, p, name, shard, split_dim):
         """``values`` with noise drawn for the whole activation (counting forwards since the set was

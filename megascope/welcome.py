@@ -1,7 +1,7 @@
 """What a welcome message tells a client about the model and the library (both sessions send it)."""
 
-from megascope.hooks import full_hook_names
-from megascope.perturbations import NOISE_TYPES, TARGETS
+from megascope.hook_sites import PERTURBATION_TARGETS, captured_full_names
+from megascope.perturbations import NOISE_TYPES
 from megascope.reductions import REDUCTION_FORMS
 
 
@@ -14,5 +14,5 @@ def welcome_info(args, vocab_size):
                       "num_query_groups": args.num_query_groups or args.num_attention_heads,
                       "vocab_size": vocab_size, "tp": args.tensor_model_parallel_size,
                       "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
-            "hooks": full_hook_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES),
-            "perturbation_targets": {kind: list(targets) for kind, targets in TARGETS.items()}}
+            "hooks": captured_full_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES),
+            "perturbation_targets": {kind: list(targets) for kind, targets in PERTURBATION_TARGETS.items()}}

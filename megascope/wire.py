@@ -1,4 +1,4 @@
-"""MegaScope protocol v1 on the wire (docs/megascope_protocol.md): JSON messages checked field by field,
+"""MegaScope's wire protocol (docs/megascope_protocol.md): JSON messages checked field by field,
 error frames, and binary data frames.
 
 Every client message is checked against a declarative table (type, default, range) before anything acts
@@ -28,9 +28,10 @@ from megatron.inference.requests import (
     valid_id,
 )
 
-PROTOCOL_VERSION = 2
-# Version 2 only added to version 1 (fields, messages, a close code): a version-1 client's hello is taken too.
-ACCEPTED_PROTOCOLS = (1, 2)
+PROTOCOL_VERSION = 3
+# Versions 2 and 3 kept what an earlier client sends valid (version 3 renamed one perturbation target and takes
+# the old name too): a version-1 or version-2 client's hello is taken.
+ACCEPTED_PROTOCOLS = (1, 2, 3)
 ERROR_CODES = ("bad_json", "unknown_type", "bad_field", "bad_reduction", "bad_hook", "unauthorized",
                "too_large", "rate_limited", "busy", "non_finite", "internal")
 DATA_MAGIC = b"MSD1"

@@ -277,8 +277,9 @@ class WebSocketServer:
 
     async def _hello(self, client, message):
         if message["protocol"] not in ACCEPTED_PROTOCOLS:
-            raise ProtocolError("bad_field", f"this server speaks protocol {PROTOCOL_VERSION} (and takes a version-1 "
-                                f"hello), not {message['protocol']}", "protocol")
+            older = ", ".join(str(version) for version in ACCEPTED_PROTOCOLS if version != PROTOCOL_VERSION)
+            raise ProtocolError("bad_field", f"this server speaks protocol {PROTOCOL_VERSION} (and takes a hello of "
+                                f"version {older}), not {message['protocol']}", "protocol")
         if self.token is not None and not hmac.compare_digest(
                 (message["token"] or "").encode(), self.token.encode()):
             refusal = error_message("unauthorized", "missing or wrong token; use the token the server printed",

@@ -49,7 +49,7 @@ def test_every_layout_attributes_like_one_rank(layout, reference, tmp_root):
 @pytest.mark.parametrize("value", [1, "yes", None, [True]])
 def test_attribution_must_be_true_or_false(value):
     with pytest.raises(ProtocolError) as error:
-        parse_capture({"attribution": value}, 4)
+        parse_capture({"hooks": [], "attribution": value}, 4)
     assert (error.value.code, error.value.field) == ("bad_field", "capture.attribution")
     assert error.value.message == "attribution must be true or false"
-    assert parse_capture({"attribution": True}, 4).to_json()["attribution"] is True
+    assert parse_capture({"hooks": [], "attribution": True}, 4).to_json()["attribution"] is True

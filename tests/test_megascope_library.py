@@ -71,7 +71,7 @@ def test_a_messages_capture_and_perturbations_name_their_fields_inside_the_messa
     with pytest.raises(ProtocolError) as error:
         parse_capture({"hooks": ["embed"], "pca": {"hook": "resid_post", "layer": 1}}, 2)
     assert error.value.field == "capture.pca.hook"
-    good = {"kind": "system", "target": "resid", "noise": "constant", "scale": 1}
+    good = {"kind": "system", "target": "resid_post", "noise": "constant", "scale": 1}
     with pytest.raises(ProtocolError) as error:
         parse_perturbations([good, {**good, "target": "ln2"}], 2)
     assert error.value.field == "perturbations.1.target"  # ln2 is a storage target only
@@ -94,7 +94,7 @@ def test_out_of_range_captures_are_refused_naming_the_valid_range(capture, field
 
 def test_a_perturbation_of_a_layer_the_model_lacks_is_refused():
     with pytest.raises(ProtocolError) as error:
-        parse_perturbations([{"kind": "system", "target": "resid", "noise": "constant", "scale": 1,
+        parse_perturbations([{"kind": "system", "target": "resid_post", "noise": "constant", "scale": 1,
                               "layers": [1, 99]}], 2)
     assert error.value.field == "perturbations.0.layers" and "[99]" in error.value.message
     assert "from 0 to 1" in error.value.message

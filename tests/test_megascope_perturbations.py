@@ -77,13 +77,13 @@ def test_bit_flips_xor_the_16_bit_storage():
 
 @pytest.mark.parametrize("obj, field", [
     ({"kind": "storage", "target": "mlp.out", "noise": "gaussian", "scale": 1}, "target"),
-    ({"kind": "magic", "target": "resid", "noise": "gaussian", "scale": 1}, "kind"),
-    ({"kind": "system", "target": "resid", "noise": "pink", "scale": 1}, "noise"),
-    ({"kind": "system", "target": "resid", "noise": "bitflip", "scale": 2}, "scale"),
-    ({"kind": "system", "target": "resid", "noise": "gaussian", "scale": "1"}, "scale"),
-    ({"kind": "system", "target": "resid", "noise": "gaussian", "scale": 1, "seed": -1}, "seed"),
-    ({"kind": "system", "target": "resid", "noise": "gaussian", "scale": 1, "layers": "all"}, "layers"),
-    ({"kind": "system", "target": "resid", "noise": "gaussian", "scale": 1, "eval": "x"}, "eval"),
+    ({"kind": "magic", "target": "resid_post", "noise": "gaussian", "scale": 1}, "kind"),
+    ({"kind": "system", "target": "resid_post", "noise": "pink", "scale": 1}, "noise"),
+    ({"kind": "system", "target": "resid_post", "noise": "bitflip", "scale": 2}, "scale"),
+    ({"kind": "system", "target": "resid_post", "noise": "gaussian", "scale": "1"}, "scale"),
+    ({"kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 1, "seed": -1}, "seed"),
+    ({"kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 1, "layers": "all"}, "layers"),
+    ({"kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 1, "eval": "x"}, "eval"),
 ])
 def test_bad_perturbations_name_the_field(obj, field):
     with pytest.raises(ProtocolError) as error:

@@ -108,11 +108,12 @@ def test_oversized_closes_only_that_connection_and_wrong_version():
                 await ws.recv()
             assert closed.value.rcvd.code == 1009
         async with connect(f"ws://127.0.0.1:{server.port}") as ws:
-            error = await hello(ws, protocol=3)
+            error = await hello(ws, protocol=4)
             assert (error["code"], error["field"]) == ("bad_field", "protocol")
-            assert (await hello(ws, protocol=2))["protocol"] == 2
-        async with connect(f"ws://127.0.0.1:{server.port}") as ws:
-            assert (await hello(ws))["protocol"] == 2  # a version-1 hello is taken: version 2 only adds
+            assert (await hello(ws, protocol=3))["protocol"] == 3
+        for older in (1, 2):  # an earlier client's hello is taken: what it sends stays valid
+            async with connect(f"ws://127.0.0.1:{server.port}") as ws:
+                assert (await hello(ws, protocol=older))["protocol"] == 3
 
     run(client())
     server.stop()

@@ -109,7 +109,8 @@ def test_websocket_errors_and_the_server_goes_on(server):
                                       ('{"type": "generate", "id": 1, "prompts": [3]}', "bad_field", "prompts"),
                                       ('{"type": "generate", "id": 2, "prompts": ["x"], "top_k": 99999}',
                                        "bad_field", "top_k"),
-                                      ('{"type": "generate", "id": 3, "prompts": ["x"], "capture": {"attribution": 1}}',
+                                      ('{"type": "generate", "id": 3, "prompts": ["x"], '
+                                       '"capture": {"hooks": [], "attribution": 1}}',
                                        "bad_field", "capture.attribution"),
                                       ('{"type": "cancel", "id": "nothing"}', "bad_field", "id")]:
                 await ws.send(text)

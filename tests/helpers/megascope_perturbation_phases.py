@@ -15,14 +15,14 @@ PERTURBATIONS = [
     {"id": "mlp", "kind": "calculation", "target": "mlp.out", "noise": "gaussian", "scale": 0.1, "seed": 4},
     {"id": "pre", "kind": "calculation", "target": "mlp.pre", "noise": "uniform", "scale": 0.2, "seed": 5,
      "layers": [0, 3]},
-    {"id": "c", "kind": "system", "target": "resid", "noise": "constant", "scale": 0.5, "layers": [1]},
-    {"id": "r", "kind": "system", "target": "resid", "noise": "gaussian", "scale": 0.1, "seed": 6, "layers": [2]},
-    {"id": "off", "kind": "system", "target": "resid", "noise": "gaussian", "scale": 9.0, "enabled": False},
+    {"id": "c", "kind": "system", "target": "resid_post", "noise": "constant", "scale": 0.5, "layers": [1]},
+    {"id": "r", "kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 0.1, "seed": 6, "layers": [2]},
+    {"id": "off", "kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 9.0, "enabled": False},
 ]
 
 # A constant on these shifts every hidden value of a token alike, which the next LayerNorm removes (the tiny
 # model's --normalization is the default LayerNorm); on the others it changes the output distribution.
-CONSTANT_REMOVED = [("system", "resid"), ("calculation", "embed"), ("calculation", "attn.out"),
+CONSTANT_REMOVED = [("system", "resid_post"), ("calculation", "embed"), ("calculation", "attn.out"),
                     ("calculation", "mlp.out"), ("storage", "embed"), ("storage", "attn.proj"), ("storage", "mlp.fc2")]
 CONSTANT_FELT = [("calculation", "ln1"), ("calculation", "mlp.pre"), ("storage", "attn.qkv")]
 

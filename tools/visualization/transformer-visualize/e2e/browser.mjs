@@ -65,7 +65,7 @@ export async function connect(page, pageUrl, wsUrl, mode) {
   await page.goto(`${pageUrl}?url=${encodeURIComponent(wsUrl)}`);
   await page.waitForSelector('[data-test=state]:text-is("connected")', { timeout: 60000 })
     .catch(() => { throw new Error(`e2e: the page opened with ?url=${wsUrl} did not connect by itself`); });
-  check((await page.textContent('[data-test=protocol]')) === 'protocol v2', 'the page does not show protocol v2');
+  check((await page.textContent('[data-test=protocol]')) === 'protocol v3', 'the page does not show protocol v3');
   check((await page.textContent('[data-test=mode]')) === mode, `the backend is not in ${mode} mode`);
 }
 

@@ -15,10 +15,10 @@ import { decodeDataFrame } from '../src/protocol/dataFrame';
 import { buildFrame } from './frames';
 
 const WELCOME = {
-  type: 'welcome', protocol: 2, mode: 'inference',
+  type: 'welcome', protocol: 3, mode: 'inference',
   model: { num_layers: 2, hidden_size: 64, num_attention_heads: 4, num_query_groups: 2, vocab_size: 100, tp: 1, pp: 1, dp: 1 },
   hooks: ['embed', 'blocks.{l}.attn.pattern'], reductions: ['none', 'norm'], noise: ['gaussian'], limits: {},
-  perturbation_targets: { storage: ['attn.qkv', 'ln2'], calculation: ['embed', 'final_norm'], system: ['resid'] },
+  perturbation_targets: { storage: ['attn.qkv', 'ln2'], calculation: ['embed', 'final_norm'], system: ['resid_post'] },
 };
 
 type Script = (message: Record<string, unknown>, reply: (m: object | ArrayBuffer) => void) => void;
@@ -84,8 +84,8 @@ describe('connection store', () => {
       welcoming(message, reply);
       if (message.type === 'ping') reply({ type: 'error', code: 'rate_limited', message: 'more than 50 messages in a second; slow down.', id: 'x' });
     });
-    expect(received[0]).toEqual({ type: 'hello', protocol: 2, token: 'secret' });
-    expect(connection.protocolVersion).toBe(2);
+    expect(received[0]).toEqual({ type: 'hello', protocol: 3, token: 'secret' });
+    expect(connection.protocolVersion).toBe(3);
     expect(connection.mode).toBe('inference');
     expect(connection.send({ type: 'ping' })).toBe(true);
     await until(() => connection.errors.length === 1, 'the error frame');
@@ -157,10 +157,10 @@ describe('generation, captures and perturbations stores', () => {
   });
 
   it('warns where a LayerNorm undoes a constant: on the residual stream and what is added to it', () => {
-    expect(removedByLayerNorm({ kind: 'system', target: 'resid', noise: 'constant' })).toBe(true);
+    expect(removedByLayerNorm({ kind: 'system', target: 'resid_post', noise: 'constant' })).toBe(true);
     expect(removedByLayerNorm({ kind: 'calculation', target: 'attn.out', noise: 'constant' })).toBe(true);
     expect(removedByLayerNorm({ kind: 'calculation', target: 'mlp.pre', noise: 'constant' })).toBe(false);  // a GeLU follows
-    expect(removedByLayerNorm({ kind: 'system', target: 'resid', noise: 'gaussian' })).toBe(false);
+    expect(removedByLayerNorm({ kind: 'system', target: 'resid_post', noise: 'gaussian' })).toBe(false);
     expect(removedByLayerNorm({ kind: 'storage', target: 'attn.proj', noise: 'constant' })).toBe(true);  // x (W + c) = x W + c sum(x)
     expect(removedByLayerNorm({ kind: 'storage', target: 'attn.qkv', noise: 'constant' })).toBe(false);
   });
@@ -181,7 +181,7 @@ describe('generation, captures and perturbations stores', () => {
     const perturbations = usePerturbationsStore(pinia);
     perturbations.add('system', 'gaussian', WELCOME.perturbation_targets);
     await perturbations.apply(connection.send, perturbations.draft);
-    expect(perturbations.active).toEqual([{ id: 'system-1', kind: 'system', target: 'resid', noise: 'gaussian', scale: 0.5, seed: 0, layers: null, enabled: true }]);
+    expect(perturbations.active).toEqual([{ id: 'system-1', kind: 'system', target: 'resid_post', noise: 'gaussian', scale: 0.5, seed: 0, layers: null, enabled: true }]);
     await perturbations.apply(connection.send, []);
     expect(perturbations.active).toEqual([]);
   });

@@ -1,7 +1,7 @@
-// The JSON messages of MegaScope protocol v1 (docs/megascope_protocol.md), as TypeScript types.
+// The JSON messages of the MegaScope protocol (docs/megascope_protocol.md), as TypeScript types.
 // The page only sends what is declared here and reads only these fields of what it receives.
 
-export const PROTOCOL_VERSION = 2;
+export const PROTOCOL_VERSION = 3;
 
 export interface ModelInfo {
   num_layers: number;

@@ -19,7 +19,7 @@ export function targetsFor(kind: PerturbationKind, declared: DeclaredTargets): s
 // attn.out, mlp.out), and the weights that write it (storage embed, attn.proj, mlp.fc2: x (W + c) adds
 // c * sum(x) to every output; a tied output layer's logits shift alike, which the softmax ignores).
 const READ_THROUGH_NORMS: Partial<Record<PerturbationKind, string[]>> = {
-  system: ['resid'], calculation: ['embed', 'attn.out', 'mlp.out'], storage: ['embed', 'attn.proj', 'mlp.fc2'],
+  system: ['resid_post'], calculation: ['embed', 'attn.out', 'mlp.out'], storage: ['embed', 'attn.proj', 'mlp.fc2'],
 };
 
 /** Whether a LayerNorm model undoes this perturbation: the next LayerNorm subtracts the mean of the hidden
