@@ -17,11 +17,11 @@ _WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND")
 _QUOTED = re.compile(r'"((?:[^"\\]|\\.)*)"')
 
 
-def node_command(nnodes, nproc, endpoint, script, args):
-    """The torchrun command of one node of an ``nnodes``-node job of ``nproc`` processes per node. No --node-rank:
-    the c10d rendezvous numbers the nodes in the order they join (and ignores it)."""
+def node_command(nnodes, nproc, script, args):
+    """The torchrun command of each node of an ``nnodes``-node job of ``nproc`` processes per node, on a free port of
+    127.0.0.1. No --node-rank: the c10d rendezvous numbers the nodes in the order they join (and ignores it)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "multi-node-test",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--rdzv-id", "multi-node-test",
             str(REPO / script), *map(str, args)]
 
 
@@ -36,21 +36,20 @@ class NodeRun:
     write_log: Path | None
 
 
-def run_nodes(script, args, nnodes=2, nproc=2, env=None, watch_dir=None, timeout=300):
-    """Start the ``nnodes`` agents of one job at once and wait for all; a NodeRun each, in the order started.
-    ``watch_dir``: run each agent under strace, which logs the writes of the agent and its workers there."""
-    endpoint = f"127.0.0.1:{free_port()}"
+def run_nodes(command, nnodes=2, env=None, watch_dir=None, timeout=300):
+    """Start ``command`` (a node's torchrun command) as the ``nnodes`` agents of one job at once and wait for all; a
+    NodeRun each, in the order started. ``watch_dir``: run each agent under strace, which logs the writes of the
+    agent and its workers there."""
     agents, logs = [], []
     try:
         for node in range(nnodes):
-            command = node_command(nnodes, nproc, endpoint, script, args)
-            log = None
+            log, watched = None, list(map(str, command))
             if watch_dir is not None:
                 log = Path(watch_dir) / f"node{node}.strace"
-                command = ["strace", "-f", "-qq", "--seccomp-bpf", "-e", f"trace={WRITE_CALLS}", "-e",
-                           "status=successful", "-s", "4096", "-o", str(log), *command]
+                watched = ["strace", "-f", "-qq", "--seccomp-bpf", "-e", f"trace={WRITE_CALLS}", "-e",
+                           "status=successful", "-s", "4096", "-o", str(log), *watched]
             logs.append(log)
-            agents.append(subprocess.Popen(command, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
+            agents.append(subprocess.Popen(watched, cwd=REPO, env=child_env(env), stdout=subprocess.PIPE,
                                            stderr=subprocess.PIPE, text=True))
         outputs = [agent.communicate(timeout=timeout) for agent in agents]
     finally:
@@ -67,7 +66,7 @@ def written_paths(log, under):
     root = str(Path(under).resolve())
     writers = {}
     for line in Path(log).read_text().splitlines():
-        pid, _, call = line.partition(" ")
+        pid, call = line.split(maxsplit=1)
         name = call.split("(", 1)[0]
         paths = _QUOTED.findall(call)
         if not paths:
@@ -80,4 +79,17 @@ def written_paths(log, under):
             continue
         if written.startswith(root + "/"):
             writers.setdefault(written, set()).add(int(pid))
+    return writers
+
+
+def writes_by_node(nodes, under):
+    """The files under ``under`` each node's processes wrote ({path: pids} per node), checked to be written once:
+    no path by two nodes, none by two processes (or threads) of one node."""
+    writers = [written_paths(node.write_log, under) for node in nodes]
+    for index, node in enumerate(writers):
+        twice = {path: pids for path, pids in node.items() if len(pids) > 1}
+        assert twice == {}, f"written by more than one process of node {index}: {twice}"
+        for other in writers[index + 1:]:
+            both = sorted(set(node) & set(other))
+            assert both == [], f"written by two nodes: {both}"
     return writers
