@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 from helpers.launch import TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
-from helpers.multi_node import run_nodes, writes_by_node
+from helpers.multi_node import node_command, run_nodes, writes_by_node
 
 from megadpp.arguments import add_arguments, validate_args
 from megadpp.nodes import launch_spans_nodes
@@ -30,9 +30,9 @@ def one_process(gpt_data):
 def _two_nodes(data, root, *flags):
     """A traced two-node job saving into ``root``, under strace; its nodes and merged output."""
     (root / "strace").mkdir()
-    nodes = run_nodes("pretrain_gpt.py", TINY_GPT + gpt_data_args(data) + [
+    nodes = run_nodes(node_command(2, 2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(data) + [
         "--train-iters", ITERATIONS, "--save", root / "ckpt", "--trace", "--trace-dir", root / "trace",
-        "--trace-interval", 2, *flags], watch_dir=root / "strace")
+        "--trace-interval", 2, *flags]), watch_dir=root / "strace")
     for node in nodes:
         assert_succeeded(node)
     return nodes, "".join(node.stdout for node in nodes)
@@ -78,8 +78,8 @@ def test_fbd_with_backward_and_forward_instances_on_two_nodes_computes_the_same_
 
 
 def test_dpp_on_gpus_of_several_nodes_is_refused_in_one_line(monkeypatch):
-    flags = ["--mock-data", "--vocab-size", "1000", "--use-dpp", "--pipeline-model-parallel-size", "2",
-             "--device", "cuda"]
+    flags = ["--mock-data", "--vocab-size", "1000", "--train-iters", "2", "--use-dpp",
+             "--pipeline-model-parallel-size", "2", "--device", "cuda"]
     args = parse_args(TINY_GPT + flags, "pretrain_gpt.py", add_arguments)
     for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(name, value)
