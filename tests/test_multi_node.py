@@ -7,13 +7,13 @@ and the traces of both nodes merge.
 strace logs each agent's writes (its workers' and their threads'), C++ ones (gloo, torch.save) included."""
 
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
+from helpers.apt_tools import install_missing
 from helpers.launch import REPO, assert_succeeded, lm_losses, torchrun
-from helpers.multi_node import run_nodes, writes_by_node
+from helpers.multi_node import STRACE, run_nodes, writes_by_node
 from helpers.readme_commands import as_launched, readme_commands
 
 from megascan.aggregate import load_and_merge
@@ -37,8 +37,8 @@ def _train(nproc, flags):
     return lm_losses(result.stdout)
 
 
-@pytest.mark.skipif(shutil.which("strace") is None, reason="strace, which tells the writers apart, is not installed")
 def test_two_nodes_train_save_and_trace_once_each_and_resume_on_one_node_at_another_layout(tmp_path):
+    install_missing(STRACE, "two-node test")
     agent, flags = _readme_agent()
     iterations = int(flags[flags.index("--train-iters") + 1])
     one_node = _train(4, flags)

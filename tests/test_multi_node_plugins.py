@@ -4,11 +4,11 @@ torch.distributed; FBD's backward and forward instances land on different nodes.
 run's losses, write each file once (--save, --trace, --dpp-log-schedule) and leave traces that merge. DPP on GPUs
 across nodes is refused at launch in one line."""
 
-import shutil
 
 import pytest
+from helpers.apt_tools import install_missing
 from helpers.launch import TINY_GPT, assert_succeeded, gpt_data_args, lm_losses, torchrun
-from helpers.multi_node import node_command, run_nodes, writes_by_node
+from helpers.multi_node import STRACE, node_command, run_nodes, writes_by_node
 
 from megadpp.arguments import add_arguments, validate_args
 from megadpp.nodes import launch_spans_nodes
@@ -29,6 +29,7 @@ def one_process(gpt_data):
 
 def _two_nodes(data, root, *flags):
     """A traced two-node job saving into ``root``, under strace; its nodes and merged output."""
+    install_missing(STRACE, "two-node test")
     (root / "strace").mkdir()
     nodes = run_nodes(node_command(2, 2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(data) + [
         "--train-iters", ITERATIONS, "--save", root / "ckpt", "--trace", "--trace-dir", root / "trace",
@@ -44,11 +45,6 @@ def _assert_losses_equal(losses, reference):
         assert loss == pytest.approx(reference[iteration], rel=RELATIVE_TOLERANCE), (iteration, losses, reference)
 
 
-needs_strace = pytest.mark.skipif(shutil.which("strace") is None,
-                                  reason="strace, which tells the writers apart, is not installed")
-
-
-@needs_strace
 def test_dpp_across_two_nodes_routes_within_and_between_them_and_computes_the_same_losses(
         gpt_data, one_process, tmp_path):
     nodes, output = _two_nodes(gpt_data, tmp_path, "--pipeline-model-parallel-size", 4, "--use-dpp",
@@ -64,7 +60,6 @@ def test_dpp_across_two_nodes_routes_within_and_between_them_and_computes_the_sa
     assert p2p and all(not instance.missing and len(instance.records) == 2 for instance in p2p)
 
 
-@needs_strace
 def test_fbd_with_backward_and_forward_instances_on_two_nodes_computes_the_same_losses(
         gpt_data, one_process, tmp_path):
     nodes, output = _two_nodes(gpt_data, tmp_path, "--forward-backward-disaggregating",

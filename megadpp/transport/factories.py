@@ -68,9 +68,9 @@ def create_transport(args: argparse.Namespace, peers: Iterable[int],
     other nodes over torch.distributed (GPU peers there are refused: see docs/megadpp.md). Reads args.device,
     args.node_ips, args.workload; collective over all ranks of ``peers``."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    node = ranks_on_this_node(getattr(args, "node_ips", None), rank, world_size)
-    local = [p for p in peers if p in node and p != rank]
-    remote = [p for p in peers if p not in node]
+    this_node = ranks_on_this_node(getattr(args, "node_ips", None), rank, world_size)
+    local = [p for p in peers if p in this_node and p != rank]
+    remote = [p for p in peers if p not in this_node]
     routes = {}
     if getattr(args, "device", "cpu") == "cuda" and remote:
         raise TransportSetupError(

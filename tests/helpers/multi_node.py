@@ -11,6 +11,7 @@ from pathlib import Path
 from helpers.launch import REPO, child_env, kill_process_tree
 from megatron.training.ports import free_port
 
+STRACE = {"strace": "strace"}  # command -> Debian package: what tells the writers apart
 # The system calls that create or replace a file (an open for reading only is not a write).
 WRITE_CALLS = "open,openat,creat,rename,renameat,renameat2,truncate"
 _WRITE_FLAGS = ("O_WRONLY", "O_RDWR", "O_CREAT", "O_TRUNC", "O_APPEND")
