@@ -2,6 +2,7 @@
 
 import ipaddress
 
+from megadpp.nodes import launch_spans_nodes
 from megadpp.policy import POLICIES
 from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
@@ -86,6 +87,11 @@ def validate_args(args):
             except ValueError:
                 raise ArgumentError(f"--node-ips: {address.strip()!r} is not an IP address "
                                     f"(expected a comma-separated list such as 10.0.0.1,10.0.0.2)") from None
+    # megatron-core makes the pipeline rank the outermost, so on several nodes every pipeline crosses nodes.
+    _require(not (args.use_dpp and args.device == "cuda" and launch_spans_nodes(args.node_ips)),
+             "--use-dpp on GPUs runs within one node: this launch spans several nodes, and DPP between the GPUs of "
+             "different nodes has no transport yet (docs/megadpp.md, \"Across nodes\"); launch the job on one "
+             "node, or drop --use-dpp (or use --device cpu)")
     for flag, stage in (("--dpp-delay-stage", args.dpp_delay_stage), ("--dpp-delay-link", args.dpp_delay_link)):
         _require(stage is None or 0 <= stage < stages,
                  f"{flag} {stage} is not a pipeline stage of this job (0..{stages - 1})")

@@ -12,6 +12,7 @@ from megatron.core.utils import get_model_config
 
 from megadpp.arguments import add_arguments, any_flag_given, stall_timeout, validate_args
 from megadpp.fault_injection import StaticLinkDelay, arrival_delay, install_stage_delay
+from megadpp.nodes import launch_spans_nodes
 from megadpp.runtime import DynamicPipelineSchedule
 from megadpp.schedule_log import ScheduleLog
 from megatron.training.frozen_args import FrozenArgs
@@ -83,7 +84,7 @@ class MegaDPPPlugin(AddArgumentsHook, IsEnabledHook, ValidateArgsHook, AfterSetu
                                   "pp")
         observer = transfer_reporter(context.transfer_trace, channel, context.placement.world.first_rank)
         local = ("CUDA IPC" if args.device == "cuda" else "shared memory") + " within a node"
-        if args.multi_node:
+        if launch_spans_nodes(args.node_ips):
             local += ", torch.distributed across nodes"
         # A tracer installs its recorder before this hook runs (plugins run in registration order).
         traced = "; --trace records its transfers" if context.transfer_trace.recording else ""

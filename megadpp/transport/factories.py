@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 
+from megadpp.nodes import ranks_on_this_node
 from megadpp.transport import node
 from megadpp.transport.base import TransferObserver, Transport
 from megadpp.transport.native import TransportSetupError
@@ -61,24 +61,16 @@ def cuda_ipc_available() -> bool:
     return native._cuda_ipc is not None and torch.cuda.is_available()
 
 
-def ranks_per_node(args: argparse.Namespace, world_size: int) -> int:
-    """``--node-ips`` (one address per node) splits the ranks evenly; otherwise torchrun's LOCAL_WORLD_SIZE."""
-    if getattr(args, "node_ips", None):
-        return max(1, world_size // len(args.node_ips.split(",")))
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
 def create_transport(args: argparse.Namespace, peers: Iterable[int],
                      observer: TransferObserver | None = None) -> Transport:
     """The transport a run's flags ask for: peers on this node over shared memory (CPU) or CUDA IPC
-    (GPU: without the CUDA IPC part built, a one-line TransportSetupError says how to build it); with
-    ``--multi-node``, CPU peers on other nodes over torch.distributed (GPU peers there are refused: see
-    docs/megadpp.md). Reads args.device, args.multi_node, args.node_ips, args.workload; collective over
-    all ranks of ``peers``."""
+    (GPU: without the CUDA IPC part built, a one-line TransportSetupError says how to build it); CPU peers on
+    other nodes over torch.distributed (GPU peers there are refused: see docs/megadpp.md). Reads args.device,
+    args.node_ips, args.workload; collective over all ranks of ``peers``."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    per_node = ranks_per_node(args, world_size) if getattr(args, "multi_node", False) else world_size
-    local = [p for p in peers if p // per_node == rank // per_node and p != rank]
-    remote = [p for p in peers if p // per_node != rank // per_node]
+    this_node = ranks_on_this_node(getattr(args, "node_ips", None), rank, world_size)
+    local = [p for p in peers if p in this_node and p != rank]
+    remote = [p for p in peers if p not in this_node]
     routes = {}
     if getattr(args, "device", "cpu") == "cuda" and remote:
         raise TransportSetupError(

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers.apt_tools import install_missing, last_line
+
 TOOLS = {"podman": "podman", "runc": "runc", "debootstrap": "debootstrap"}  # command -> Debian package
 BASE_IMAGE = "localhost/megatronapp-ci/debian:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -29,25 +31,9 @@ def _run(command, **kwargs):
     return subprocess.run(command, check=False, capture_output=True, text=True, **kwargs)
 
 
-def _last_line(result) -> str:
-    lines = (result.stderr or result.stdout).strip().splitlines()
-    return lines[-1] if lines else f"exit code {result.returncode}"
-
-
 def install_tools() -> None:
     """apt-get the missing tools, or skip with the reason (not root, no apt-get, no network)."""
-    missing = sorted({package for command, package in TOOLS.items() if shutil.which(command) is None})
-    if not missing:
-        return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        pytest.skip(f"container test: {', '.join(missing)} missing and cannot be installed here "
-                    "(needs root and apt-get)")
-    wait_for_lock = ["-o", "DPkg::Lock::Timeout=300"]  # another apt-get on the machine finishes first
-    for command in (["apt-get", *wait_for_lock, "update", "-q"],
-                    ["apt-get", *wait_for_lock, "install", "-y", "-q", *missing]):
-        result = _run(command, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
-        if result.returncode != 0:
-            pytest.skip(f"container test: `{' '.join(command)}` failed: {_last_line(result)}")
+    install_missing(TOOLS, "container test")
 
 
 def _hybrid_cgroups() -> bool:
@@ -79,7 +65,7 @@ def podman_environment(work_dir: Path) -> dict[str, str]:
         env["CONTAINERS_CONF"] = str(conf)
     probe = _run(["podman", "info"], env=env)
     if probe.returncode != 0:
-        pytest.skip(f"container test: podman cannot run here: {_last_line(probe)}")
+        pytest.skip(f"container test: podman cannot run here: {last_line(probe)}")
     return env
 
 
@@ -90,7 +76,7 @@ def ensure_base_image(env: dict[str, str], work_dir: Path) -> str:
     rootfs = work_dir / "rootfs"
     made = _run(["debootstrap", "--variant=minbase", "bookworm", str(rootfs), DEBIAN_MIRROR])
     if made.returncode != 0:
-        pytest.skip(f"container test: debootstrap of Debian bookworm failed: {_last_line(made)}")
+        pytest.skip(f"container test: debootstrap of Debian bookworm failed: {last_line(made)}")
     # The host's apt sources (deb822) reach the mirror the way the host does.
     host_sources = Path("/etc/apt/sources.list.d/debian.sources")
     if host_sources.exists():
@@ -100,7 +86,7 @@ def ensure_base_image(env: dict[str, str], work_dir: Path) -> str:
     imported = _run(["podman", "import", "--change", 'CMD ["/bin/bash"]', "-", BASE_IMAGE], stdin=tar.stdout, env=env)
     tar.wait()
     shutil.rmtree(rootfs)
-    assert imported.returncode == 0, f"podman import of the debootstrapped base failed: {_last_line(imported)}"
+    assert imported.returncode == 0, f"podman import of the debootstrapped base failed: {last_line(imported)}"
     return BASE_IMAGE
 
 

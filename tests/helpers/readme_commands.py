@@ -27,7 +27,8 @@ def as_launched(command, replacements):
         assert flag in command, f"README's command has no {flag}: {command}"
         command[command.index(flag) + 1] = str(value)
     if command[0] == "torchrun":  # a free rendezvous port, unless the command asks torchrun for one
-        rendezvous = [] if "--standalone" in command else ["--master-port", str(free_port())]
+        own = "--standalone" in command or "--rdzv-endpoint" in command
+        rendezvous = [] if own else ["--master-port", str(free_port())]
         command[:1] = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
     elif command[0] == "python":
         command[0] = sys.executable
