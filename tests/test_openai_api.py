@@ -10,7 +10,7 @@ import urllib.request
 
 import openai
 import pytest
-from helpers.generation_server import TINY_SERVER, GenerationServer
+from helpers.generation_server import TINY_SERVER, GenerationServer, receive, run, send, websocket
 from helpers.hf_tokenizer import write_word_tokenizer
 
 VOCAB = 256
@@ -171,6 +171,24 @@ def test_chat_errors_name_the_chat_fields(client):
         with pytest.raises(openai.BadRequestError) as refused:
             client.chat.completions.create(model=NAME, messages=body.pop("messages"), extra_body=body)
         assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_busy_while_a_websocket_generation_holds_the_model(server, client):
+    async def hold_the_model():
+        async with websocket(server) as ws:
+            await send(ws, {"type": "hello", "protocol": 2})
+            assert (await receive(ws))["type"] == "welcome"
+            await send(ws, {"type": "generate", "id": "long", "prompts": [words(3)], "tokens_to_generate": 60})
+            assert (await receive(ws))["type"] == "generation_started"
+            with pytest.raises(openai.InternalServerError) as refused:
+                client.completions.create(model=NAME, prompt=words(3), max_tokens=1)
+            await send(ws, {"type": "cancel", "id": "long"})
+            while (await receive(ws))["type"] != "generation_done":
+                pass
+        return refused.value
+    busy = run(hold_the_model())
+    assert busy.status_code == 503 and busy.body["code"] == "server_busy" and busy.body["type"] == "server_error"
+    assert client.completions.create(model=NAME, prompt=words(3), max_tokens=1).choices[0].finish_reason
 
 
 def test_unknown_routes_get_openai_errors(server):

@@ -2,10 +2,13 @@
 from --load, so that a converted Llama 3 serves with --load and the layout alone (its greedy tokens, through the
 OpenAI client, equal transformers'); a training checkpoint's recorded flags parse back to the same model."""
 
+import json
+
 import openai
 import pytest
 import torch
 from helpers.generation_server import TINY_SERVER, GenerationServer
+from helpers.launch import REPO, TINY_GPT, assert_succeeded, run_script
 from test_hf_conversion import LLAMA3, _convert, _hf_model
 
 from megatron.inference.model_setup import setup_for_generation
@@ -32,6 +35,23 @@ def test_use_checkpoint_args_needs_load():
     with pytest.raises(ArgumentError, match="--use-checkpoint-args needs --load"):
         setup_for_generation(["--use-checkpoint-args", "--device", "cpu"], "run_text_generation_server.py",
                              lambda args: None)
+
+
+def test_a_trained_checkpoint_generates_from_load_alone(tmp_path):
+    tokenizer = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(REPO / "datasets/gpt/vocab.json"),
+                 "--merge-file", str(REPO / "datasets/gpt/merges.txt")]
+    assert_succeeded(run_script("pretrain_gpt.py", TINY_GPT + tokenizer + ["--mock-data", "--train-iters", "3",
+                                                                        "--save", str(tmp_path / "ckpt")]))
+    (tmp_path / "prompts.json").write_text(json.dumps(["Hello world, this is"]))
+    common = ["--load", str(tmp_path / "ckpt"), "--prompts-json", str(tmp_path / "prompts.json"),
+              "--max-new-tokens", "6", "--device", "cpu"]
+    model_flags = TINY_GPT[:TINY_GPT.index("--micro-batch-size")] + ["--hidden-dropout", "0",
+                                                                      "--attention-dropout", "0"]
+    for name, flags in [("given", model_flags + tokenizer), ("recorded", ["--use-checkpoint-args"])]:
+        assert_succeeded(run_script("tools/checkpoint/generate_greedy.py",
+                                    common + flags + ["--output", str(tmp_path / f"{name}.pt")]))
+    given, recorded = (torch.load(tmp_path / f"{name}.pt") for name in ("given", "recorded"))
+    assert torch.equal(given["tokens"], recorded["tokens"]) and torch.equal(given["logits"], recorded["logits"])
 
 
 def test_converted_llama_serves_from_load_alone(tmp_path):
