@@ -19,17 +19,20 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{ bos_token }} w9 {{ message['co
 NAME = "tiny"
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("openai_tokenizer")
+def word_model_flags(folder):
+    """The tiny model's flags with a word tokenizer (and a chat template) in ``folder``."""
     write_word_tokenizer(folder, VOCAB)
     (folder / "tokenizer_config.json").write_text(json.dumps(
         {"eos_token": "w2", "bos_token": "w1", "chat_template": CHAT_TEMPLATE}))
     gpt2 = TINY_SERVER.index("--tokenizer-type")
-    flags = TINY_SERVER[:gpt2] + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder),
-                                  "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                  "--served-model-name", NAME]
-    started = GenerationServer(4, flags)
+    return TINY_SERVER[:gpt2] + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(folder),
+                                 "--served-model-name", NAME]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    started = GenerationServer(4, word_model_flags(tmp_path_factory.mktemp("openai_tokenizer")) +
+                               ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
     yield started
     started.stop()
 
@@ -196,3 +199,21 @@ def test_unknown_routes_get_openai_errors(server):
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=60)
     assert refused.value.code == 404 and json.loads(refused.value.read())["error"]["code"] == "not_found"
+
+
+def test_data_parallel_replicas_answer_as_one(server, client, tmp_path):
+    """DP 2: a whole answer shares its choices among the replicas, a stream runs on the first; both give the
+    TP2 x PP2 server's seeded choices."""
+    request = {"model": NAME, "prompt": [words(4, 5), words(6, 7, 8)], "max_tokens": 5, "temperature": 0.8,
+               "seed": 5, "n": 2}
+    expected = [choice.text for choice in client.completions.create(**request).choices]
+    replicas = GenerationServer(2, word_model_flags(tmp_path))
+    try:
+        dp = openai.OpenAI(base_url=replicas.rest + "/v1", api_key="unused", max_retries=0, timeout=300)
+        assert [choice.text for choice in dp.completions.create(**request).choices] == expected
+        streamed = ["", "", "", ""]
+        for chunk in dp.completions.create(stream=True, **request):
+            streamed[chunk.choices[0].index] += chunk.choices[0].text
+        assert streamed == expected
+    finally:
+        replicas.stop()
