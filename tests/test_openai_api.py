@@ -194,11 +194,14 @@ def test_busy_while_a_websocket_generation_holds_the_model(server, client):
     assert client.completions.create(model=NAME, prompt=words(3), max_tokens=1).choices[0].finish_reason
 
 
-def test_unknown_routes_get_openai_errors(server):
-    request = urllib.request.Request(server.rest + "/v1/embeddings", data=b"{}", method="POST")
+@pytest.mark.parametrize("method, path, code", [("POST", "/v1/embeddings", "not_found"),
+                                                ("GET", "/v1/completions", "not_found"),
+                                                ("GET", "/v1/models/gpt-4", "model_not_found")])
+def test_unknown_routes_get_openai_errors(server, method, path, code):
+    request = urllib.request.Request(server.rest + path, data=b"{}" if method == "POST" else None, method=method)
     with pytest.raises(urllib.error.HTTPError) as refused:
         urllib.request.urlopen(request, timeout=60)
-    assert refused.value.code == 404 and json.loads(refused.value.read())["error"]["code"] == "not_found"
+    assert refused.value.code == 404 and json.loads(refused.value.read())["error"]["code"] == code
 
 
 def test_data_parallel_replicas_answer_as_one(server, client, tmp_path):

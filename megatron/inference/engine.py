@@ -251,7 +251,7 @@ class GenerationEngine:
         packed = None
         if step_logits is not None:
             model_logprobs = step_logits[:, :-1].log_softmax(dim=-1)
-            values = model_logprobs.gather(-1, inputs[:, 1:, None].to(model_logprobs.device))
+            values = model_logprobs.gather(-1, inputs[:, 1:, None])
             best_values, best_ids = model_logprobs.topk(min(top, model_logprobs.shape[-1]), dim=-1)
             packed = torch.cat([values.double(), best_ids.double(), best_values.double()], dim=-1)
         packed = self._from_last_stage(packed, (batch, positions, 1 + 2 * top), torch.float64).cpu()

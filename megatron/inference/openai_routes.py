@@ -55,7 +55,7 @@ class TokenStream(StopAtNextStep):
             self.events.put((row, int(step.draw.tokens[row]), float(step.draw.logprobs[row]), best))
 
 
-def list_models(handler) -> None:
+def get(handler) -> None:
     """``GET /v1/models`` and ``GET /v1/models/<name>``: the one model this server serves."""
     name = handler.server.model_name
     model = {"id": name, "object": "model", "created": handler.server.started, "owned_by": "megatronapp"}
@@ -64,8 +64,12 @@ def list_models(handler) -> None:
         return handler._reply(HTTPStatus.OK, {"object": "list", "data": [model]})
     if path == f"/v1/models/{name}":
         return handler._reply(HTTPStatus.OK, model)
-    return handler._reply(HTTPStatus.NOT_FOUND, error_body(HTTPStatus.NOT_FOUND, f"no model {path[11:]!r} here; "
-                                                           f"this server serves {name!r}", "model", "model_not_found"))
+    if path.startswith("/v1/models/"):
+        return handler._reply(HTTPStatus.NOT_FOUND, error_body(
+            HTTPStatus.NOT_FOUND, f"no model {path[11:71]!r} here; this server serves {name!r}", "model",
+            "model_not_found"))
+    return handler._reply(HTTPStatus.NOT_FOUND, error_body(
+        HTTPStatus.NOT_FOUND, f"no route GET {path[:60]}; this server has GET /v1/models", None, "not_found"))
 
 
 def post(handler) -> None:

@@ -136,8 +136,8 @@ class RestHandler(BaseHTTPRequestHandler):
         return self._method_not_allowed()
 
     def do_GET(self):
-        if self.path.startswith("/v1/models"):
-            return openai_routes.list_models(self)
+        if self.path.startswith("/v1/"):
+            return openai_routes.get(self)
         if self.path.split("?", 1)[0].rstrip("/") == "/api":
             return self._method_not_allowed()  # the API takes PUT only
         root = self.server.static_root
