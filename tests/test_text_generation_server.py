@@ -698,6 +698,12 @@ def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_s
         assert done["finish_reason"] == ["error", "error"]
         status, answer = server.put(SAMPLED)  # REST: every data-parallel replica's share broke
         assert status == 422 and "not finite" in answer["error"], answer
+        completion = urllib.request.Request(server.rest + "/v1/completions", method="POST", data=json.dumps(
+            {"model": "megatron", "prompt": PROMPTS, "max_tokens": 6}).encode())  # the OpenAI-compatible route too
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(completion, timeout=300)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 422 and error["code"] == "non_finite_logits" and "not finite" in error["message"]
     finally:
         set_perturbations(server, [])
     status, answer = server.put(SAMPLED)
