@@ -467,6 +467,13 @@ def test_torchrun_ranks_stop_together_when_rank_0_gets_the_signal_or_ctrl_c_reac
     readme = GenerationServer(0, [], command=as_launched(launch, {"--port": 0, "--ws-port": 0}))
     status, answer = readme.put(json.loads(curl[curl.index("-d") + 1]))
     assert status == 200 and answer["text"][0].startswith("Hello") and len(answer["tokens"][0]) > 1, answer
+    (openai_curl,) = readme_commands("Serving with an OpenAI-compatible API")  # the same server, OpenAI's API
+    assert openai_curl[1] == "localhost:5000/v1/completions", openai_curl
+    request = urllib.request.Request(readme.rest + "/v1/completions", data=openai_curl[openai_curl.index("-d") + 1]
+                                     .encode(), headers={"Content-Type": "application/json"})  # curl -d: a POST
+    with urllib.request.urlopen(request, timeout=300) as reply:
+        completion = json.loads(reply.read())
+    assert completion["choices"][0]["text"] and completion["usage"]["completion_tokens"] > 0, completion
     code, output, alive = readme.interrupt(signal.SIGINT)  # Ctrl-C: torchrun passes it on to every rank
     _stopped_alone(readme, output, alive)
     assert "SignalException" in output, output  # torchrun reports the signal it received in its own words
@@ -692,6 +699,12 @@ def test_a_perturbation_that_makes_the_logits_nan_ends_that_generation_and_the_s
         assert done["finish_reason"] == ["error", "error"]
         status, answer = server.put(SAMPLED)  # REST: every data-parallel replica's share broke
         assert status == 422 and "not finite" in answer["error"], answer
+        completion = urllib.request.Request(server.rest + "/v1/completions", method="POST", data=json.dumps(
+            {"model": "megatron", "prompt": PROMPTS, "max_tokens": 6}).encode())  # the OpenAI-compatible route too
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(completion, timeout=300)
+        error = json.loads(refused.value.read())["error"]
+        assert refused.value.code == 422 and error["code"] == "non_finite_logits" and "not finite" in error["message"]
     finally:
         set_perturbations(server, [])
     status, answer = server.put(SAMPLED)

@@ -4,7 +4,8 @@
         --tokenizer-type ... [--port 5000] [--enable-ws-server [--ws-host 127.0.0.1] [--ws-port 5001] [--ws-token T]]
 
 Every rank runs the model at its TP/PP (DP replicas share a REST request's prompts); rank 0 serves the REST API
-(PUT /api) and, with --enable-ws-server, the WebSocket of docs/megascope_protocol.md.
+(PUT /api), the OpenAI-compatible routes on the same port (/v1/completions, /v1/chat/completions, /v1/models:
+docs/openai_api.md) and, with --enable-ws-server, the WebSocket of docs/megascope_protocol.md.
 Without --load the model keeps its seeded initialization. SIGINT or SIGTERM (Ctrl-C; torchrun passes the
 signal on to every rank) stops every rank after the step in progress: "server stopped", exit code 0.
 """
@@ -41,6 +42,8 @@ def _server_args(parser):
     g = parser.add_argument_group("text generation server")
     g.add_argument("--port", type=int, default=5000, help="REST API port (PUT /api)")
     g.add_argument("--host", default="127.0.0.1", help="REST API host")
+    g.add_argument("--served-model-name", default=None, help="the model's name on the OpenAI-compatible routes "
+                   "(/v1/models; a request's \"model\"); default: --load's folder name, else megatron")
     g.add_argument("--enable-ws-server", action="store_true", help="serve MegaScope's WebSocket too")
     g.add_argument("--ws-host", default="127.0.0.1", help="any other host than 127.0.0.1/localhost/::1 needs a token")
     g.add_argument("--ws-port", type=int, default=5001)
@@ -107,6 +110,12 @@ def _leave_signals_to_rank_0():
             signal.signal(signum, signal.SIG_IGN)
 
 
+def _served_model_name(args):
+    if args.served_model_name:
+        return args.served_model_name
+    return os.path.basename(os.path.normpath(args.load)) if args.load else "megatron"
+
+
 def _listen(args, service, tokenizer, model, max_length):
     """Rank 0: the REST server and, with --enable-ws-server, the WebSocket one, listening; UserError (one line)
     when a port cannot be bound."""
@@ -117,11 +126,13 @@ def _listen(args, service, tokenizer, model, max_length):
                     max_tokens_to_generate=min(args.max_tokens_to_generate, max_length - 1))
     encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)
     try:
-        rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD)
+        rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD, _served_model_name(args))
     except OSError as error:
         raise UserError(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({error.strerror}); "
                         "pick a free port") from None
     print(f"REST API on http://{args.host}:{rest.server_address[1]}/api (PUT)", flush=True)
+    print(f"OpenAI-compatible API on http://{args.host}:{rest.server_address[1]}/v1 (model "
+          f"{rest.model_name})", flush=True)
     websocket = _start_websocket(args, service, encoder, model, limits) if args.enable_ws_server else None
     return rest, websocket
 

@@ -68,6 +68,14 @@ class Generation:
     prompt_lengths: list
     finish_reasons: list    # "length", "stop" or "cancelled"
     logprobs: list | None   # per prompt: log-probability of every token after the first
+    # per prompt, per token after the first: [[token id, log-probability], ...] of the model's params.top_logprobs
+    # most likely tokens there (None unless logprobs and top_logprobs are asked for)
+    top_logprobs: list | None = None
+
+
+def _pairs(ids, values):
+    """[[token id, log-probability], ...] for each row of ``ids``/``values`` [rows, top]."""
+    return [list(zip(row_ids, row_values)) for row_ids, row_values in zip(ids.tolist(), values.tolist())]
 
 
 class NoObserver:
@@ -144,6 +152,7 @@ class GenerationEngine:
         generated = [0] * batch
         finish = [None if params.tokens_to_generate > 0 else "length" for _ in prompts]
         logprobs = [[] for _ in prompts] if params.logprobs else None
+        best = [[] for _ in prompts] if params.logprobs and params.top_logprobs else None
 
         cache = self._static_cache(batch, total, observer) or StaticInferenceContext(batch, total)
         start, position, index = 0, min(lengths), 0
@@ -155,8 +164,11 @@ class GenerationEngine:
             with observer.forward(index, start, position):
                 step_logits = self._logits(inputs, start, cache, params.logprobs and index == 0)
                 if logprobs is not None and index == 0:
-                    for row, values in enumerate(self._prompt_logprobs(step_logits, inputs).tolist()):
-                        logprobs[row].extend(values)
+                    values, best_ids, best_values = self._prompt_logprobs(step_logits, inputs, params.top_logprobs)
+                    for row in range(batch):
+                        logprobs[row].extend(values[row].tolist())
+                        if best is not None:
+                            best[row].extend(_pairs(best_ids[row], best_values[row]))
                 # A row still inside its prompt reads its prompt token (and reports its probabilities).
                 forced = torch.tensor([int(tokens[row, position]) if position < lengths[row] else -1
                                        for row in range(batch)])
@@ -177,6 +189,9 @@ class GenerationEngine:
                     for row in range(batch):
                         if position < lengths[row] or row in sampled:
                             logprobs[row].append(float(chosen.logprobs[row]))
+                            if best is not None:
+                                best[row].extend(_pairs(chosen.best_ids[row:row + 1],
+                                                        chosen.best_logprobs[row:row + 1]))
                 finished = [row for row in sampled if finish[row] is not None]
                 observer.step_done(Step(index, start, position, sampled, finished, chosen))
             if isinstance(cache, StaticInferenceContext):
@@ -188,7 +203,7 @@ class GenerationEngine:
                 break
         finish = [reason or "length" for reason in finish]  # the model's length ran out first
         generation = Generation(tokens=[tokens[row, :lengths[row] + generated[row]].tolist() for row in range(batch)],
-                                prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs)
+                                prompt_lengths=lengths, finish_reasons=finish, logprobs=logprobs, top_logprobs=best)
         observer.after(generation)
         return generation
 
@@ -229,17 +244,24 @@ class GenerationEngine:
                                     group=parallel_state.get_pipeline_model_parallel_group())
         return buffer.cpu()
 
-    def _prompt_logprobs(self, step_logits, inputs):
-        """[b, s - 1]: log p(token t | tokens before t) over the prefill's tokens."""
-        values = None
+    def _prompt_logprobs(self, step_logits, inputs, top):
+        """Over the prefill's tokens: log p(token t | tokens before t) [b, s - 1], and the ids and log-probabilities
+        of the ``top`` most likely tokens at each of those positions [b, s - 1, top]."""
+        batch, positions = inputs.shape[0], inputs.shape[1] - 1
+        packed = None
         if step_logits is not None:
-            values = step_logits[:, :-1].log_softmax(dim=-1).gather(-1, inputs[:, 1:, None]).squeeze(-1)
-        return self._from_last_stage(values, (inputs.shape[0], inputs.shape[1] - 1), torch.float32).cpu()
+            model_logprobs = step_logits[:, :-1].log_softmax(dim=-1)
+            values = model_logprobs.gather(-1, inputs[:, 1:, None])
+            best_values, best_ids = model_logprobs.topk(min(top, model_logprobs.shape[-1]), dim=-1)
+            packed = torch.cat([values.double(), best_ids.double(), best_values.double()], dim=-1)
+        packed = self._from_last_stage(packed, (batch, positions, 1 + 2 * top), torch.float64).cpu()
+        return packed[..., 0].float(), packed[..., 1:1 + top].long(), packed[..., 1 + top:].float()
 
     def _draw(self, step_logits, params, generators, forced):
         """The last stage draws; every stage receives the draw, packed in one float64 tensor. Rows whose
         logits are not finite get the token ``_NON_FINITE`` and nothing is drawn (no row is, then)."""
         batch, k = forced.shape[0], min(params.topk_report, self.vocab_size)
+        best = min(params.top_logprobs, self.vocab_size)
         packed = None
         if step_logits is not None:
             last = step_logits[:, -1].cpu()  # the one copy to the host: the check and the draw both read it
@@ -249,12 +271,17 @@ class GenerationEngine:
             else:
                 zeros = torch.zeros(batch)
                 chosen = Draw(tokens=torch.where(finite, 0, _NON_FINITE), probs=zeros, logprobs=zeros,
-                              topk_ids=torch.zeros(batch, k, dtype=torch.long), topk_probs=torch.zeros(batch, k))
+                              topk_ids=torch.zeros(batch, k, dtype=torch.long), topk_probs=torch.zeros(batch, k),
+                              best_ids=torch.zeros(batch, best, dtype=torch.long),
+                              best_logprobs=torch.zeros(batch, best))
             if parallel_state.get_pipeline_model_parallel_world_size() == 1:
                 return chosen
             packed = torch.cat([chosen.tokens[:, None].double(), chosen.probs[:, None].double(),
                                 chosen.logprobs[:, None].double(), chosen.topk_ids.double(),
-                                chosen.topk_probs.double()], dim=1)
-        packed = self._from_last_stage(packed, (batch, 3 + 2 * k), torch.float64)
-        return Draw(tokens=packed[:, 0].long(), probs=packed[:, 1].float(), logprobs=packed[:, 2].float(),
-                    topk_ids=packed[:, 3:3 + k].long(), topk_probs=packed[:, 3 + k:].float())
+                                chosen.topk_probs.double(), chosen.best_ids.double(),
+                                chosen.best_logprobs.double()], dim=1)
+        packed = self._from_last_stage(packed, (batch, 3 + 2 * k + 2 * best), torch.float64)
+        columns = torch.split(packed, [1, 1, 1, k, k, best, best], dim=1)
+        return Draw(tokens=columns[0][:, 0].long(), probs=columns[1][:, 0].float(), logprobs=columns[2][:, 0].float(),
+                    topk_ids=columns[3].long(), topk_probs=columns[4].float(), best_ids=columns[5].long(),
+                    best_logprobs=columns[6].float())

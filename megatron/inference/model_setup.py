@@ -7,6 +7,7 @@ training starts from scratch there, but generating from random weights the user 
 look like a working model.
 """
 
+import argparse
 import functools
 import os
 
@@ -15,6 +16,7 @@ from megatron.training.checkpointing import (
     TRACKER_FILENAME,
     load_checkpoint,
     read_tracker,
+    recorded_model_flags,
     use_checkpoint_vocab_padding,
 )
 from megatron.training.errors import ArgumentError, UserError
@@ -56,10 +58,24 @@ def _require_checkpoint(load):
         raise UserError(f"--load {load}: no checkpoint there ({TRACKER_FILENAME} not found); {remedy}")
 
 
+def _load_flag(argv):
+    """--load of ``argv``, before the whole command line can be parsed (its model flags may be missing)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--load")
+    load = parser.parse_known_args(argv)[0].load
+    if load is None:
+        raise ArgumentError("--use-checkpoint-args needs --load: the checkpoint whose flags to use")
+    _require_checkpoint(load)
+    return load
+
+
 def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, check_args=None):
     """(args, model chunks in eval mode, tokenizer) from a command line of Megatron flags; ``check_args``
     (args) refuses a tool's own bad flags before anything is loaded."""
-    args = parse_args(_TRAINING_ONLY + list(argv), prog, extra_args_provider=extra_args_provider)
+    argv = list(argv)
+    if "--use-checkpoint-args" in argv:  # the checkpoint's flags first: the command line's override them
+        argv = recorded_model_flags(_load_flag(argv)) + argv
+    args = parse_args(_TRAINING_ONLY + argv, prog, extra_args_provider=extra_args_provider)
     # A training command's schedule and data flags (a warm-up longer than the one iteration above, --data-path
     # beside --mock-data) mean nothing here: its model flags can be pasted as they are.
     args.lr_warmup_iters, args.lr_warmup_fraction, args.lr_decay_iters = 0, None, None

@@ -13,7 +13,8 @@ from megatron.inference.limits import check_limits
 
 def load_chat_template(args):
     """The chat template of a Hugging Face tokenizer folder (tokenizer_config.json's ``chat_template``),
-    compiled in Jinja's sandbox as transformers does; None when the tokenizer has none."""
+    compiled in Jinja's sandbox as transformers does: a function of a conversation (a list of {"role", "content"}
+    messages) to the text the model reads next; None when the tokenizer has none."""
     model = getattr(args, "tokenizer_model", None)
     if args.tokenizer_type != "HuggingFaceTokenizer" or not model:
         return None
@@ -34,8 +35,8 @@ def load_chat_template(args):
         return value.get("content") if isinstance(value, dict) else value
 
     compiled = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-    return lambda prompt: compiled.render(messages=[{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          bos_token=special("bos_token") or "", eos_token=special("eos_token") or "")
+    return lambda messages: compiled.render(messages=messages, add_generation_prompt=True,
+                                            bos_token=special("bos_token") or "", eos_token=special("eos_token") or "")
 
 
 class PromptEncoder:
@@ -59,14 +60,7 @@ class PromptEncoder:
                                 "chat_template); send chat false", "chat")
         prompts = []
         for prompt in request["prompts"]:
-            if request["chat"]:
-                try:
-                    ids = self.tokenizer.tokenize_plain(self.chat_template(prompt))
-                except TemplateError as error:
-                    raise ProtocolError("bad_field", f"the chat template failed on this prompt ({error})",
-                                        "chat") from error
-            else:
-                ids = self.tokenizer.tokenize(prompt)
+            ids = self._token_ids(prompt, request["chat"])
             if request["add_BOS"]:
                 ids = [self.tokenizer.eod] + ids  # Megatron-LM's BOS is the end-of-document token
             if not ids:
@@ -76,8 +70,26 @@ class PromptEncoder:
         if longest >= self.max_length:
             raise ProtocolError("too_large", f"a prompt has {longest} tokens; this model reads at most "
                                 f"{self.max_length - 1} before generating; shorten it", "prompts")
+        if request["tokens_to_generate"] is None:  # as many as the limits and the model's length allow
+            request["tokens_to_generate"] = min(self.limits.max_tokens_to_generate, self.max_length - longest)
         check_limits(request, self.limits, self.max_length - longest)
         return prompts
+
+    def _token_ids(self, prompt, chat):
+        """A prompt's ids: a text (a user's message when ``chat``), a conversation (a list of messages, ``chat``)
+        or token ids already (a list of integers)."""
+        if isinstance(prompt, list) and not chat:
+            if any(token >= self.tokenizer.vocab_size for token in prompt):
+                raise ProtocolError("bad_field", f"prompt token ids must be below {self.tokenizer.vocab_size}",
+                                    "prompts")
+            return list(prompt)
+        if not chat:
+            return self.tokenizer.tokenize(prompt)
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        try:
+            return self.tokenizer.tokenize_plain(self.chat_template(messages))
+        except TemplateError as error:
+            raise ProtocolError("bad_field", f"the chat template failed on this prompt ({error})", "chat") from error
 
     def token_text(self, token_id):
         return self.tokenizer.detokenize([token_id])
@@ -88,4 +100,4 @@ def sampling_fields(request, seed, topk_report=5):
     return {"temperature": request["temperature"], "top_k": request["top_k"], "top_p": request["top_p"],
             "random_seed": seed, "stop_tokens": tuple(request["stop_tokens"]),
             "tokens_to_generate": request["tokens_to_generate"], "topk_report": topk_report,
-            "logprobs": request.get("logprobs", False)}
+            "logprobs": request.get("logprobs", False), "top_logprobs": request.get("top_logprobs", 0)}

@@ -46,4 +46,6 @@ def generate_share(engine, prompts, params, observer):
                       prompt_lengths=[length for part in parts for length in part.prompt_lengths],
                       finish_reasons=[reason for part in parts for reason in part.finish_reasons],
                       logprobs=None if parts[0].logprobs is None else
-                      [values for part in parts for values in part.logprobs])
+                      [values for part in parts for values in part.logprobs],
+                      top_logprobs=None if parts[0].top_logprobs is None else
+                      [values for part in parts for values in part.top_logprobs])

@@ -1,5 +1,7 @@
-"""Megatron-LM's REST API on rank 0: ``PUT /api`` generates; other GET paths serve the MegaScope page's
-build (tools/visualization/transformer-visualize/dist) when it exists. See docs/megascope_protocol.md."""
+"""Megatron-LM's REST API on rank 0: ``PUT /api`` generates; the OpenAI-compatible routes under ``/v1/``
+(megatron/inference/openai_routes.py, docs/openai_api.md) generate through the same service; other GET paths
+serve the MegaScope page's build (tools/visualization/transformer-visualize/dist) when it exists. See
+docs/megascope_protocol.md."""
 
 import json
 import logging
@@ -11,6 +13,7 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+from megatron.inference import openai_routes
 from megatron.inference.engine import NonFiniteLogits
 from megatron.inference.errors import ProtocolError
 from megatron.inference.prompts import sampling_fields
@@ -62,6 +65,33 @@ class RestHandler(BaseHTTPRequestHandler):
             log.info("%s went away before its %d answer", self.address_string(), status)
             self.close_connection = True
 
+    def peer_gone(self):
+        """Whether this request's client has left (closed its connection, or a write to it failed)."""
+        return getattr(self, "_events_broken", False) or peer_closed(self.connection)
+
+    def start_events(self):
+        """Answer 200 with server-sent events (``send_event``); the connection closes after the last."""
+        self.close_connection = True  # no Content-Length: the end of the stream is the end of the connection
+        self._events_broken = False
+        try:
+            self.send_response(HTTPStatus.OK)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Cache-Control", "no-cache")
+            self.end_headers()
+        except (BrokenPipeError, ConnectionResetError):
+            self._events_broken = True
+
+    def send_event(self, data):
+        """One ``data:`` event (a JSON object, or the text ``[DONE]``); nothing once the client has left."""
+        if self._events_broken:
+            return
+        try:
+            self.wfile.write(b"data: " + (data if isinstance(data, str) else json.dumps(data)).encode() + b"\n\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):
+            log.info("%s went away during its stream", self.address_string())
+            self._events_broken = True
+
     def _refuse(self, status, message, field=None):
         body = {"error": f"{field}: {message}" if field else message}
         if field:
@@ -100,7 +130,14 @@ class RestHandler(BaseHTTPRequestHandler):
             return None
         self._reply(HTTPStatus.OK, rest_answer(generation, self.server.encoder, seed, request["logprobs"]))
 
+    def do_POST(self):
+        if self.path.startswith("/v1/"):
+            return openai_routes.post(self)
+        return self._method_not_allowed()
+
     def do_GET(self):
+        if self.path.startswith("/v1/"):
+            return openai_routes.get(self)
         if self.path.split("?", 1)[0].rstrip("/") == "/api":
             return self._method_not_allowed()  # the API takes PUT only
         root = self.server.static_root
@@ -116,14 +153,16 @@ class RestHandler(BaseHTTPRequestHandler):
     def _method_not_allowed(self):
         self._refuse(HTTPStatus.METHOD_NOT_ALLOWED, "use PUT /api")
 
-    do_POST = do_DELETE = do_PATCH = _method_not_allowed
+    do_DELETE = do_PATCH = _method_not_allowed
 
 
-def serve_rest(service, encoder, host, port, static_root):
-    """Start the REST server on a daemon thread; returns it (``server_address`` has the bound port)."""
+def serve_rest(service, encoder, host, port, static_root, model_name="megatron"):
+    """Start the REST server on a daemon thread; returns it (``server_address`` has the bound port).
+    ``model_name``: the name the OpenAI-compatible routes serve the model under."""
     server = ThreadingHTTPServer((host, port), RestHandler)
     server.daemon_threads = True
     server.service, server.encoder = service, encoder
+    openai_routes.server_fields(server, model_name, MAX_BODY_BYTES)
     server.static_root = Path(static_root).resolve() if static_root and Path(static_root).is_dir() else None
     threading.Thread(target=server.serve_forever, name="rest-api", daemon=True).start()
     return server

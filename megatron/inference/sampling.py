@@ -24,6 +24,7 @@ class SamplingParams:
     tokens_to_generate: int = 32
     topk_report: int = 5  # how many candidates of the sampled distribution each step reports
     logprobs: bool = False
+    top_logprobs: int = 0  # with logprobs: how many of the model's most likely tokens each position reports
     first_prompt: int = 0  # the request's index of the first prompt generated here (a replica's share)
 
 
@@ -31,12 +32,15 @@ class SamplingParams:
 class Draw:
     """One step's choice for every row: ``tokens`` [b], the sampled distribution's probability of each
     (``probs``), the unmodified model's log-probability (``logprobs``), and the sampled distribution's
-    top candidates (``topk_ids``/``topk_probs`` [b, k], best first)."""
+    top candidates (``topk_ids``/``topk_probs`` [b, k], best first), and the unmodified model's most likely tokens
+    (``best_ids``/``best_logprobs`` [b, params.top_logprobs], best first: what OpenAI's ``top_logprobs`` report)."""
     tokens: torch.Tensor
     probs: torch.Tensor
     logprobs: torch.Tensor
     topk_ids: torch.Tensor
     topk_probs: torch.Tensor
+    best_ids: torch.Tensor
+    best_logprobs: torch.Tensor
 
 
 def sampling_distribution(logits, params):
@@ -73,5 +77,7 @@ def draw(logits, params, generators, forced=None):
     k = min(params.topk_report, probs.shape[-1])
     topk_probs, topk_ids = probs.topk(k, dim=-1)
     rows = torch.arange(tokens.shape[0])
-    return Draw(tokens=tokens, probs=probs[rows, tokens], logprobs=logits.log_softmax(dim=-1)[rows, tokens],
-                topk_ids=topk_ids, topk_probs=topk_probs)
+    model_logprobs = logits.log_softmax(dim=-1)
+    best_logprobs, best_ids = model_logprobs.topk(min(params.top_logprobs, probs.shape[-1]), dim=-1)
+    return Draw(tokens=tokens, probs=probs[rows, tokens], logprobs=model_logprobs[rows, tokens],
+                topk_ids=topk_ids, topk_probs=topk_probs, best_ids=best_ids, best_logprobs=best_logprobs)

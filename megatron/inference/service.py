@@ -122,10 +122,11 @@ class GenerationService:
         return job
 
     def _generate(self, job, payload):
-        """Every rank: a REST request's prompts are shared among the data-parallel replicas; a WebSocket
-        generation (streamed and captured by rank 0) runs on the first replica, the others wait."""
+        """Every rank: a REST request's prompts are shared among the data-parallel replicas; a streamed generation
+        (a WebSocket one, captured by rank 0, or an OpenAI ``stream``) runs on the first replica, whose first rank
+        sees every token as it comes; the others wait."""
         params = SamplingParams(**payload["params"])
-        if "scope" not in payload:
+        if "scope" not in payload and not payload.get("streamed"):
             observer = (job.observer or StopAtNextStep(self, job)) if job else None
             return generate_share(self.engine, payload["prompts"], params, observer)
         if parallel_state.get_data_parallel_rank() != 0:

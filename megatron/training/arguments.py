@@ -189,6 +189,9 @@ def _add_checkpoint_args(parser):
                         "without --load of it, or with --finetune): its tracker then moves back to this run's "
                         "iterations; a checkpoint of an iteration saved again is kept as iter_XXXXXXX.replaced-<time>")
     g.add_argument("--load", default=None)
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="generation tools: the model and tokenizer flags the --load checkpoint recorded; flags on "
+                        "the command line override them")
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-save-rng", action="store_true")

@@ -6,7 +6,17 @@ silently wrong; of another hidden size, megatron-core fails with a long exceptio
 Rotary base, rope scaling and norm epsilon are left out: fine-tuning may change them on purpose.
 """
 
+import os
+
 from megatron.training.errors import UserError
+
+# The argument groups (megatron/training/arguments.py) whose flags define a checkpoint's model and tokenizer:
+# recorded as a command line in every checkpoint (``model_flags``), so that --use-checkpoint-args launches a
+# generation tool from --load and the layout alone, as Megatron-LM's does.
+RECORDED_GROUPS = ("model", "tokenizer")
+# Flags naming files: recorded absolute; a relative one (a converted checkpoint's own tokenizer) is the checkpoint
+# folder's.
+PATH_FLAGS = ("--tokenizer-model", "--vocab-file", "--merge-file")
 
 # args attribute -> how the user sets it (validate_args fills the defaults: ffn size, kv channels, groups)
 MODEL_FLAGS = {
@@ -28,6 +38,23 @@ MODEL_FLAGS = {
 
 def model_args(args):
     return {name: getattr(args, name) for name in MODEL_FLAGS}
+
+
+def model_flags(args, parser) -> list[str]:
+    """The command line of ``args``' model and tokenizer flags that differ from ``parser``'s defaults (the
+    required ones always); parsed again, it builds the same model with the same tokenizer."""
+    flags: list[str] = []
+    groups = [group for group in parser._action_groups if group.title in RECORDED_GROUPS]
+    for action in (action for group in groups for action in group._group_actions):
+        value = getattr(args, action.dest, action.default)
+        if value is None or (value == action.default and not action.required):
+            continue
+        if action.nargs == 0:  # store_true / store_false: given, since the value is not the default
+            flags.append(action.option_strings[0])
+        else:
+            shown = os.path.abspath(value) if action.option_strings[0] in PATH_FLAGS else str(value)
+            flags += [action.option_strings[0], shown]
+    return flags
 
 
 def differing_model_flags(saved, args, there: str = "there", here: str = "here") -> list[str]:

@@ -21,8 +21,9 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from torch.distributed.checkpoint.api import CheckpointException
 
+from megatron.training.arguments import build_parser
 from megatron.training.atomic_file import replaced_on_success
-from megatron.training.checkpoint_model import check_model_args, model_args
+from megatron.training.checkpoint_model import PATH_FLAGS, check_model_args, model_args, model_flags
 from megatron.training.errors import UserError
 from megatron.training.save_dir.checkpoints import (
     TRACKER_FILENAME,
@@ -132,7 +133,7 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
     state.update(iteration=iteration, consumed_train_samples=consumed_train_samples,
                  checkpoint_version=3.0, layout=_layout(args), padded_vocab_size=args.padded_vocab_size,
                  contents={"optimizer": not args.no_save_optim, "rng": not args.no_save_rng},
-                 model_args=model_args(args))
+                 model_args=model_args(args), model_flags=model_flags(args, build_parser("checkpoint")))
     try:
         dist_checkpointing.save(state, work_dir)
     except CheckpointException as error:
@@ -204,16 +205,39 @@ def _one_line(error):
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
+def _common_state(load):
+    """The common state of the latest checkpoint in ``load``, or None when there is none."""
+    iteration = read_tracker(load) if load else None
+    common_file = None if iteration is None else os.path.join(checkpoint_dir(load, iteration), "common.pt")
+    if common_file is None or not os.path.isfile(common_file):
+        return None
+    return dist_checkpointing.load_common_state_dict(os.path.dirname(common_file))
+
+
+def recorded_model_flags(load):
+    """--use-checkpoint-args: the model and tokenizer flags the latest checkpoint in ``load`` recorded."""
+    common = _common_state(load)
+    if common is None:
+        raise UserError(f"--use-checkpoint-args: --load {load} holds no checkpoint ({TRACKER_FILENAME} or its "
+                        f"common.pt not found); give the directory a training run saved into, or convert.py's "
+                        f"--save-dir")
+    flags = common.get("model_flags")
+    if flags is None:
+        raise UserError(f"--use-checkpoint-args: the checkpoint in {load} was saved before checkpoints recorded "
+                        f"their flags; leave --use-checkpoint-args out and give its model and tokenizer flags")
+    return [os.path.join(load, value) if previous in PATH_FLAGS and not os.path.isabs(value) else value
+            for previous, value in zip([None, *flags], flags)]
+
+
 def use_checkpoint_vocab_padding(args):
     """Build the embedding with the padded vocabulary size of the checkpoint ``--load`` names.
 
     The padding depends on the tensor-parallel size it was made for, so a checkpoint saved at one TP
     size (or converted from Hugging Face) would not fit the embedding padded for another."""
-    iteration = read_tracker(args.load) if args.load else None
-    common_file = None if iteration is None else os.path.join(checkpoint_dir(args.load, iteration), "common.pt")
-    if common_file is None or not os.path.isfile(common_file):
+    common = _common_state(args.load)
+    if common is None:
         return  # no checkpoint: load_checkpoint says so, or names what is missing
-    padded = dist_checkpointing.load_common_state_dict(os.path.dirname(common_file)).get("padded_vocab_size")
+    padded = common.get("padded_vocab_size")
     if padded is None:
         return  # saved before checkpoints recorded it: padded from the flags, as then
     tp = args.tensor_model_parallel_size

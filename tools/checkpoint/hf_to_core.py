@@ -141,7 +141,10 @@ def convert(options):
                      layout={"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
                              "virtual_pipeline_model_parallel_size": None},
                      padded_vocab_size=padded_vocab_size, contents={"optimizer": False, "rng": False},
-                     model_args=model_args(args), converted_from=os.path.abspath(options.load_dir))
+                     model_args=model_args(args), converted_from=os.path.abspath(options.load_dir),
+                     # for --use-checkpoint-args; "hf": the tokenizer copied beside it (relative: the folder's)
+                     model_flags=shape.megatron_flags() + dtype_flags +
+                     ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "hf"])
         start = time.time()
         iteration_dir = checkpoint_dir(work_dir, ITERATION)
         os.makedirs(iteration_dir)
