@@ -34,7 +34,6 @@ CHAT_FIELDS = {**_COMMON_FIELDS,
                "max_completion_tokens": Field("int", None, nullable=True, low=1),
                "logprobs": Field("bool", False, nullable=True),
                "top_logprobs": Field("int", None, nullable=True, low=0, high=20)}
-_SHAPED = ("prompt", "messages", "stop")  # checked here, not by a Field: they take more than one shape
 _CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
@@ -106,6 +105,7 @@ def _messages(value: Any) -> list[dict]:
 
 
 def _checked(body: Any, fields: dict[str, Field], shaped: tuple[str, ...], route: str) -> dict:
+    """``body``'s ``fields`` checked; ``shaped`` fields (which take more than one shape) are the caller's to check."""
     if not isinstance(body, dict):
         raise ProtocolError("bad_json", "the body must be a JSON object")
     for name in body:
