@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MegaFBD on one GPU (docs/benchmarks.md): a GPT of 12 layers, hidden 768, sequence 1024, bf16, micro-batch 8,
 # global batch 64 on mock data, 20 iterations per case:
-#   normal run on the GPU (full recomputation)  vs  FBD with the backward instance on the GPU and the forward
+#   normal runs on the GPU (without and with full recomputation)  vs  FBD with the backward instance on the GPU and the forward
 #   instance on the CPU (--fbd-forward-device cpu), staleness 0 and 1.
 # Prints a table: median ms per iteration, and per process the peak host RSS and peak GPU memory.
 set -uo pipefail

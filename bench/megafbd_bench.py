@@ -37,6 +37,7 @@ CASES = {  # name: (processes, flags)
         "FBD PP2 staleness 1": (4, RECOMPUTE + FBD + PP2 + ["--fbd-weight-staleness", "1"]),
     },
     "gpu": {
+        "normal (GPU, no recomputation)": (1, []),
         "normal (GPU)": (1, RECOMPUTE),
         "FBD: backward GPU, forward CPU": (2, RECOMPUTE + FBD + ["--fbd-forward-device", "cpu"]),
         "FBD staleness 1: backward GPU, forward CPU": (

@@ -57,7 +57,9 @@ class ForwardInstance:
             param.requires_grad_(False)
         # Dropout only where this instance can draw its backward partner's masks (dropout_rng.py).
         self.model.train(instance.draws_dropout)
-        self.weights = WeightSync.for_forward(instance, self.model, args.fbd_checksum_interval)
+        # None at the last stage, which runs no forward (Instance.forward_computes).
+        self.weights = (WeightSync.for_forward(instance, self.model, args.fbd_checksum_interval)
+                        if instance.forward_computes else None)
         self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}", instance.messages)
         self.data_iterator = None
         self.start_step = None  # the step whose weights training starts from (iteration - 1 after --load)
@@ -90,23 +92,27 @@ class ForwardInstance:
                 if command == GO:  # every forward instance gets here at once: the datasets are built collectively
                     self.data_iterator = self._build_data(iteration)
             if command == STOP:
-                self._finish_weights(pending, up_to=iteration)
-                self.weights.check_loaded()
-                self.weights.check(f"at the end (iteration {iteration})")
+                if self.weights is not None:
+                    self._finish_weights(pending, up_to=iteration)
+                    self.weights.check_loaded()
+                    self.weights.check(f"at the end (iteration {iteration})")
                 break
             # The iteration (and its trace) begins with the weights' arrival: the backward instances send
             # them with the command. Those of step iteration-1 are on their way; the model must hold step
             # iteration-1-staleness.
             self.plugins.on_iteration_begin(self.context, iteration)
-            self._post_weights(pending, up_to=iteration - 1)
-            self._finish_weights(pending, up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
+            if self.weights is not None:
+                self._post_weights(pending, up_to=iteration - 1)
+                self._finish_weights(pending,
+                                     up_to=max(self.start_step, iteration - 1 - self.args.fbd_weight_staleness))
             if self.instance.draws_dropout and not self.last:
                 load_packed_state(receive(self.instance.link_group, (packed_size(),), torch.uint8, 0, TAG_RNG, "cpu"))
             self.forward_pass(forward_step_func=self.parts.forward_step_func, data_iterator=self.data_iterator,
                               model=[self.model])
             self.plugins.on_iteration_end(self.context, iteration, {"losses": {}, "grad_norm": None,
                                                                            "skipped": False})
-            self.weights.check_loaded()
+            if self.weights is not None:
+                self.weights.check_loaded()
             iterations += 1
         self.plugins.on_train_end(self.context, iteration)
         self.coordinator.close()
@@ -164,6 +170,8 @@ class ForwardInstance:
             self.coordinator.send(self.instance.link_group, part, link_rank, TAG_STAGE_INPUT, microbatch)
 
     def _report(self, iterations):
-        self.instance.report_done(f"{iterations} iterations, weights checked {self.weights.checks} times, "
+        weights = (f"weights checked {self.weights.checks} times" if self.weights is not None
+                   else "no weights (the last stage runs no forward)")
+        self.instance.report_done(f"{iterations} iterations, {weights}, "
                                   f"{self.data_iterator.count if self.data_iterator else 0} batches read and sent",
                                   self.args.device)

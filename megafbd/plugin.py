@@ -102,8 +102,9 @@ class MegaFBDPlugin(AddArgumentsHook, IsEnabledHook, TrainingWorldSizeHook, Vali
         from megafbd.weight_sync import WeightSync
 
         self.coordinator = Coordinator(f"{instance.kind}-{instance.global_rank}", instance.messages)
-        self.weights = WeightSync.for_backward(instance, model[0], context.args.fbd_checksum_interval,
-                                               self.coordinator)
+        if instance.forward_computes:
+            self.weights = WeightSync.for_backward(instance, model[0], context.args.fbd_checksum_interval,
+                                                   self.coordinator)
 
     def forward_backward_func(self, context: RunContext) -> Schedule | None:
         if not is_backward(self._instance):
@@ -120,10 +121,11 @@ class MegaFBDPlugin(AddArgumentsHook, IsEnabledHook, TrainingWorldSizeHook, Vali
         # receive falls into the same iteration as the send (a trace matches them); it needs them only now.
         latest = iteration - 1 if command == GO else iteration
         instance, weights, coordinator = self._instance, self.weights, self.coordinator
-        assert weights is not None and coordinator is not None, "after_setup makes them on backward instances"
-        for step in range(latest if self.sent_step is None else self.sent_step + 1, latest + 1):
-            weights.send(step)
-        self.sent_step = latest
+        assert coordinator is not None, "after_setup makes it on backward instances"
+        if weights is not None:
+            for step in range(latest if self.sent_step is None else self.sent_step + 1, latest + 1):
+                weights.send(step)
+            self.sent_step = latest
         if instance.link_rank != 0:
             return
         last_stage = instance.coordinates.pipeline == instance.layout.pipeline - 1
@@ -145,8 +147,9 @@ class MegaFBDPlugin(AddArgumentsHook, IsEnabledHook, TrainingWorldSizeHook, Vali
             return
         args = context.args
         self._command(STOP, iteration)
-        assert self.weights is not None and self.coordinator is not None and self.schedule is not None
-        self.weights.send_checksum()
+        assert self.coordinator is not None and self.schedule is not None
+        if self.weights is not None:
+            self.weights.send_checksum()
         self.coordinator.close()
         instance.report_done(f"{self.schedule.batches.count} batches received from the forward instance",
                                   args.device)

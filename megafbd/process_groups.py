@@ -44,6 +44,13 @@ class Instance:
     def coordinates(self):
         return self.layout.coordinates(self.global_rank)
 
+    @property
+    def forward_computes(self):
+        """Whether this stage's forward instance runs a forward. The last stage's does not (its output would
+        be the loss, which the backward instance computes in its recomputation), so it needs no weights:
+        none are sent there, and its backward instance never waits for a weight transfer."""
+        return self.coordinates.pipeline < self.layout.pipeline - 1
+
     def describe(self):
         where = self.coordinates
         return f"{self.kind} instance (stage {where.pipeline}, replica {where.data}, tensor rank {where.tensor})"

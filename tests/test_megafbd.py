@@ -84,11 +84,19 @@ def _forward_reports(result):
     return [line for line in result.stdout.splitlines() if line.startswith("megafbd: forward instance")]
 
 
+def _report_of_stage(reports, stage):
+    (report,) = [line for line in reports if line.startswith(f"megafbd: forward instance (stage {stage},")]
+    return report
+
+
 def test_pp2_staleness_0_gives_the_losses_of_a_normal_run_and_identical_weights(runs):
     _assert_losses_equal(runs["pp2"], runs["normal"], range(1, ITERATIONS + 1))
     reports = _forward_reports(runs["pp2"])
-    # Checksums after iterations 2, 4, 6 and at the end all matched (a mismatch stops the run).
-    assert len(reports) == 2 and all(f"{ITERATIONS} iterations, weights checked 4 times" in r for r in reports), reports
+    # Stage 0: checksums after iterations 2, 4, 6 and at the end all matched (a mismatch stops the run). Stage 1, the
+    # last, runs no forward: no weights travel there.
+    stage_0, stage_1 = (_report_of_stage(reports, stage) for stage in (0, 1))
+    assert f"{ITERATIONS} iterations, weights checked 4 times" in stage_0, reports
+    assert f"{ITERATIONS} iterations, no weights (the last stage runs no forward)" in stage_1, reports
     # The forward instances read the data: the token batches at stage 0, the labels at stage 1 (4 microbatches
     # an iteration); each backward instance received its stage's batches instead of reading them.
     batches = ITERATIONS * 4
@@ -125,14 +133,15 @@ def test_trace_records_both_kinds_and_fbd_messages_as_matched_flows(runs):
     by_channel = {}
     for instance in messages:
         by_channel.setdefault(instance.group.rsplit("/", 1)[1], set()).add((instance.src, instance.dst))
-    # Traced iterations 3 and 6: weights (backward -> forward partner), token batch and labels (forward ->
+    # Traced iterations 3 and 6: stage 0's weights (backward -> forward partner; stage 1's forward instance runs
+    # no forward and gets none), token batch and labels (forward ->
     # backward partner at each stage), stage 1's input, activations (forward 0 -> 1), input gradients (backward 1 -> 0).
-    assert by_channel == {"weights": {(0, 2), (1, 3)}, "batch": {(2, 0), (3, 1)}, "stage-input": {(3, 1)},
+    assert by_channel == {"weights": {(0, 2)}, "batch": {(2, 0), (3, 1)}, "stage-input": {(3, 1)},
                           "activation": {(2, 3)}, "input-grad": {(1, 0)}}, by_channel
     per_iteration = {i.group.rsplit("/", 1)[1]: 0 for i in messages}
     for instance in messages:
         per_iteration[instance.group.rsplit("/", 1)[1]] += 1
-    assert per_iteration == {"weights": 4, "batch": 16, "stage-input": 8, "activation": 8, "input-grad": 8}
+    assert per_iteration == {"weights": 2, "batch": 16, "stage-input": 8, "activation": 8, "input-grad": 8}
     assert {i.records[i.dst].microbatch for i in messages if not i.group.endswith("weights")} == {0, 1, 2, 3}
     flows = [e for e in json.loads((trace_dir / "benchmark.json").read_text())["traceEvents"]
              if e.get("cat") == "flow.p2p" and e["ph"] == "s"]
@@ -168,15 +177,16 @@ def test_pp2_with_dropout_gives_the_losses_of_a_normal_pp2_run_with_dropout(runs
 
 def test_staleness_1_ending_after_a_check_step_checks_each_step_against_its_own_weights(runs):
     # At the end the forward instance loads two steps (2, a check step, and 3): step 2 is compared before 3 replaces it.
-    result = _train(runs["data"], 2, *FBD, "--fbd-weight-staleness", 1, "--train-iters", 3)
-    (report,) = _forward_reports(result)
+    result = _train(runs["data"], 4, *FBD, "--pipeline-model-parallel-size", 2, "--fbd-weight-staleness", 1,
+                    "--train-iters", 3)
+    report = _report_of_stage(_forward_reports(result), 0)  # the last stage's forward instance holds no weights
     assert "3 iterations, weights checked 2 times" in report, report
 
 
 def test_weights_that_drift_apart_stop_the_run_with_one_line_naming_the_stage(gpt_data):
     env = {"MEGATRON_PLUGINS": "weight_drift_plugin", "PYTHONPATH": str(PLUGINS)}
-    result = torchrun(2, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + RECOMPUTE + FBD + [
-        "--train-iters", "3", "--drift-weights-at-iteration", "3"], env=env)
+    result = torchrun(4, "pretrain_gpt.py", TINY_GPT + gpt_data_args(gpt_data) + RECOMPUTE + FBD + [
+        "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--drift-weights-at-iteration", "3"], env=env)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if line.startswith("pretrain_gpt.py: error: ")]
     assert len(lines) == 1 and lines[0].startswith(
@@ -211,8 +221,10 @@ def test_staleness_1_trains_and_sigterm_stops_both_kinds_with_a_checkpoint(runs,
     assert max(losses[i] for i in (6, 7, 8)) < losses[1] - 0.3, losses
     saved = int((save / TRACKER).read_text())
     assert saved >= 8 and (save / f"iter_{saved:07d}").is_dir()
-    # Both forward instances stopped on the backward instances' word, their weights checked at the end.
-    assert sum(f"{saved} iterations, weights checked" in line for line in log.splitlines()) == 2, log[-3000:]
+    # Both forward instances stopped on the backward instances' word, stage 0's weights checked at the end.
+    reports = [line for line in log.splitlines() if line.startswith("megafbd: forward instance")]
+    assert f"{saved} iterations, weights checked" in _report_of_stage(reports, 0), log[-3000:]
+    assert f"{saved} iterations, no weights" in _report_of_stage(reports, 1), log[-3000:]
 
 
 MOCK = ["--mock-data", "--vocab-size", "1000", "--train-iters", "3"]

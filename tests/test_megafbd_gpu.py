@@ -49,7 +49,8 @@ def test_gpu_backward_with_cpu_forward_gives_the_normal_losses_and_one_merged_tr
     assert aggregate.returncode == 0 and "ranks: 2 merged of 2 loaded" in aggregate.stdout, aggregate.stdout
     messages = [i for i in load_and_merge(str(trace_dir)).instances if i.group.startswith("megafbd/")]
     channels = {i.group.rsplit("/", 1)[1] for i in messages}
-    assert channels == {"weights", "batch"} and all(len(i.records) == 2 for i in messages), channels
+    # PP1: the only stage is the last, whose forward instance runs no forward: batches travel, weights do not.
+    assert channels == {"batch"} and all(len(i.records) == 2 for i in messages), channels
 
 
 @pytest.mark.skipif(GPUS < 4, reason="needs 4 GPUs (PP2: 2 backward and 2 forward instances, one GPU each)")

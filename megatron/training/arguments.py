@@ -59,6 +59,11 @@ def _add_kernel_args(parser):
                         "--transformer-impl transformer_engine: Transformer Engine's backends of these names")
     g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false",
                    help="do not fuse bias + GeLU (fused by torch.compile on GPU by default)")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false",
+                   help="with --swiglu: do not fuse bias + SwiGLU (fused by torch.compile on GPU by default)")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="compute the loss with megatron-core's fused vocab-parallel cross entropy (torch.compile, "
+                        "GPU) instead of the unfused one")
     g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false",
                    help="do not fuse bias + dropout + residual add (fused by torch.compile on GPU by default)")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",

@@ -44,10 +44,13 @@ def transformer_config(args):
         recompute_num_layers=args.recompute_num_layers,
         attention_backend=attention_backend_of(args),
         # The fusions are torch.compile'd functions that pay off on GPU only. GeLU's needs a bias to
-        # fuse with; SwiGLU's is left off (not yet measured here). The masked softmax fusion (unfused
-        # attention only) needs apex's kernel, which megatron-core imports without a fallback.
-        bias_activation_fusion=not on_cpu and args.bias_gelu_fusion and not args.swiglu and args.add_bias_linear,
+        # fuse with; SwiGLU's does not. The masked softmax fusion (unfused attention only) needs apex's
+        # kernel, which megatron-core imports without a fallback.
+        bias_activation_fusion=not on_cpu and (args.bias_swiglu_fusion if args.swiglu
+                                               else args.bias_gelu_fusion and args.add_bias_linear),
         bias_dropout_fusion=not on_cpu and args.bias_dropout_fusion,
+        cross_entropy_loss_fusion=not on_cpu and args.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl="native",
         masked_softmax_fusion=(not on_cpu and args.masked_softmax_fusion
                                and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None),
         gradient_accumulation_fusion=False,
