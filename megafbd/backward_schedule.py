@@ -38,7 +38,7 @@ class BackwardSchedule:
         self.instance = instance
         self.coordinator = coordinator
         self.evaluation_schedule = get_forward_backward_func()
-        self.batches = ReceivedBatches(instance)
+        self.batches = ReceivedBatches(instance, pin_memory=args.device == "cuda")
 
     def __call__(self, *, forward_step_func, data_iterator, model, num_microbatches, forward_only=False,
                  **schedule_kwargs):

@@ -32,15 +32,17 @@ def pack(batch):
     return torch.cat(parts)
 
 
-def unpack(packed):
-    """The batch ``pack`` made (each tensor in its own memory)."""
+def unpack(packed, pin_memory=False):
+    """The batch ``pack`` made, each tensor in its own memory: page-locked with ``pin_memory``, as a GPU run's data
+    loader gives its batches, so that their copies to the GPU do not wait for the GPU's queued work."""
     length = int(packed[:8].clone().view(torch.int64))
     description = json.loads(bytes(packed[8:8 + length].tolist()))
     batch, offset = {}, 8 + length
     for key, dtype_name, shape in description:
-        dtype = _DTYPES[dtype_name]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        batch[key] = packed[offset:offset + nbytes].clone().view(dtype).reshape(shape)
+        tensor = torch.empty(shape, dtype=_DTYPES[dtype_name], pin_memory=pin_memory)
+        nbytes = tensor.numel() * tensor.itemsize
+        tensor.view(-1).view(torch.uint8).copy_(packed[offset:offset + nbytes])
+        batch[key] = tensor
         offset += nbytes
     return batch
 
@@ -74,8 +76,9 @@ class ForwardedBatches:
 class ReceivedBatches:
     """The backward instance's data iterator in training: the batches its forward partner read."""
 
-    def __init__(self, instance):
+    def __init__(self, instance, pin_memory):
         self.instance = instance
+        self.pin_memory = pin_memory  # the backward instance trains on a GPU
         self.count = 0
 
     def __iter__(self):
@@ -87,4 +90,4 @@ class ReceivedBatches:
         group, forward = self.instance.link_group, self.instance.link.forward_link_rank
         size = receive(group, (1,), torch.int64, forward, TAG_BATCH_SIZE, "cpu").item()
         return unpack(receive(group, (size,), torch.uint8, forward, TAG_BATCH, "cpu", self.instance.messages,
-                              microbatch))
+                              microbatch), self.pin_memory)

@@ -98,10 +98,11 @@ class Coordinator:
 
 def receive(group, shape, dtype, peer, tag, device, messages=None, microbatch=None):
     """Receive one message of known shape and dtype from ``peer`` (blocking, on the calling thread);
-    ``messages`` (a MessageTrace) records it for --trace."""
-    buffer = torch.empty(shape, dtype=dtype)
+    ``messages`` (a MessageTrace) records it for --trace. For a GPU the message lands in page-locked memory, so
+    that its copy to the GPU is queued behind the GPU's work instead of waiting for it on the host."""
+    buffer = torch.empty(shape, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
     record = messages.start("recv", group, peer, tag, buffer, microbatch) if messages is not None else None
     group.recv([buffer], peer, tag).wait()
     if record is not None:
         messages.end(record)
-    return buffer.to(device)
+    return buffer.to(device, non_blocking=True)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes (docs/openai_api.md) of tools/run_text_generation_server.py at TP2 x PP2 on CPU,
+"""The OpenAI-compatible routes (docs/openai_api.md) of tools/run_text_generation_server.py at TP2 x PP2 on CPU
+(and at TP2 and at PP2 on two GPUs where there are),
 driven by the pinned ``openai`` client: completions (a text, a batch, token ids, n, seed, stop strings),
 log-probabilities with echo, streaming, chat with the tokenizer's chat template, and OpenAI-shaped errors for
 bad fields after which the server goes on. The numbers are checked against ``PUT /api`` of the same server
@@ -10,6 +11,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 from helpers.generation_server import TINY_SERVER, GenerationServer, receive, run, send, websocket
 from helpers.hf_tokenizer import write_word_tokenizer
 
@@ -29,10 +31,26 @@ def word_model_flags(folder):
                                  "--served-model-name", NAME]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    started = GenerationServer(4, word_model_flags(tmp_path_factory.mktemp("openai_tokenizer")) +
-                               ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+# (ranks, device, layout flags): TP2 x PP2 on CPU; on two GPUs (NCCL) TP2 and PP2, each its own server.
+LAYOUTS = {"cpu-tp2-pp2": (4, "cpu", ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+           "cuda-tp2": (2, "cuda", ["--tensor-model-parallel-size", "2"]),
+           "cuda-pp2": (2, "cuda", ["--pipeline-model-parallel-size", "2"])}
+
+
+def on_device(flags, device):
+    at = flags.index("--device")
+    return flags[:at] + ["--device", device] + flags[at + 2:]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request, tmp_path_factory):
+    ranks, device, layout = LAYOUTS[request.param]
+    if device == "cuda" and GPUS < ranks:
+        pytest.skip(f"needs {ranks} GPUs, {GPUS} found")
+    started = GenerationServer(ranks, on_device(word_model_flags(tmp_path_factory.mktemp("openai_tokenizer")), device)
+                               + layout)
+    started.device = device
     yield started
     started.stop()
 
@@ -205,12 +223,12 @@ def test_unknown_routes_get_openai_errors(server, method, path, code):
 
 
 def test_data_parallel_replicas_answer_as_one(server, client, tmp_path):
-    """DP 2: a whole answer shares its choices among the replicas, a stream runs on the first; both give the
-    TP2 x PP2 server's seeded choices."""
+    """DP 2 (on the server's device): a whole answer shares its choices among the replicas, a stream runs on the
+    first; both give the model-parallel server's seeded choices."""
     request = {"model": NAME, "prompt": [words(4, 5), words(6, 7, 8)], "max_tokens": 5, "temperature": 0.8,
                "seed": 5, "n": 2}
     expected = [choice.text for choice in client.completions.create(**request).choices]
-    replicas = GenerationServer(2, word_model_flags(tmp_path))
+    replicas = GenerationServer(2, on_device(word_model_flags(tmp_path), server.device))
     try:
         dp = openai.OpenAI(base_url=replicas.rest + "/v1", api_key="unused", max_retries=0, timeout=300)
         assert [choice.text for choice in dp.completions.create(**request).choices] == expected

@@ -1,6 +1,7 @@
 """Issue 53: a rank that dies without a word (SIGKILL here, as the out-of-memory killer sends) ends every
 surviving rank within seconds, each with one line naming the dead rank and what the survivor was doing, in
-training (at start-up and in the loop), MegaDPP, MegaFBD and the 4-rank generation server (real torchrun jobs).
+training (at start-up and in the loop), MegaDPP, MegaFBD and the 4-rank generation server (real torchrun jobs, on CPU
+and, where there are GPUs enough, on GPUs with NCCL).
 
 Before, the survivors printed gloo's "Connection closed by peer" traceback, at start-up an error that blamed the
 mock dataset, and DPP's waited on their shared-memory channels until torchrun killed them 30 s later."""
@@ -11,6 +12,7 @@ import time
 
 import psutil
 import pytest
+import torch
 from helpers.generation_server import TINY_SERVER
 from helpers.launch import TINY_GPT, job_acted_on, torchrun_command, worker_of_rank
 
@@ -21,8 +23,10 @@ SHM = "/dev/shm"
 CASES = {
     "training": (2, "pretrain_gpt.py", MOCK, " iteration        3/", 0, "in iteration "),
     "start-up": (2, "pretrain_gpt.py", MOCK, "setup done", 0, "in start-up, in barrier at megatron/training/data.py"),
+    # On CPU a DPP rank spends its time waiting on MegaDPP's channels; on GPUs their transfers are queued on the GPU,
+    # and the survivor is anywhere in its iteration (the loss's all-reduce, say).
     "dpp": (2, "pretrain_gpt.py", MOCK + ["--pipeline-model-parallel-size", "2", "--use-dpp"],
-            " iteration        3/", 0, "megadpp/"),
+            " iteration        3/", 0, {"cpu": "megadpp/", "cuda": "in iteration "}),
     "fbd": (2, "pretrain_gpt.py", MOCK + ["--forward-backward-disaggregating", "--recompute-granularity", "full",
                                           "--recompute-method", "uniform"], " iteration        3/", 1, "in iteration "),
     "server": (4, "tools/run_text_generation_server.py",
@@ -31,9 +35,23 @@ CASES = {
 }
 
 
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _on_device(flags, device):
+    """The case's flags on ``device``: on GPUs every rank is a GPU of its own and the collectives are NCCL's."""
+    at = flags.index("--device")
+    return flags[:at] + ["--device", device] + flags[at + 2:]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_killed_rank_ends_every_survivor_at_once_with_one_line_naming_it(case):
+def test_a_killed_rank_ends_every_survivor_at_once_with_one_line_naming_it(case, device):
     ranks, script, flags, marker, victim, doing = CASES[case]
+    if device == "cuda" and GPUS < ranks:
+        pytest.skip(f"needs {ranks} GPUs, {GPUS} found")
+    flags = _on_device(flags, device)
+    doing = doing[device] if isinstance(doing, dict) else doing
     ended = {}
 
     def kill_the_victim(launcher):

@@ -40,7 +40,10 @@ def detect(merged: MergedTrace, compute_totals: dict[int, OperationTotals] | Non
     timelines = build_timelines(merged)
     compute = compute_slowness(merged, compute_totals)
     attribution = attribute_delays(timelines, critical_paths(timelines),
-                                   {rank: entry["ratio"] for rank, entry in compute.items()})
+                                   {rank: entry["ratio"] for rank, entry in compute.items()},
+                                   frozenset(rank for rank, trace in merged.ranks.items()
+                                             if trace.metadata.get("tp_microbatches_recorded")
+                                             and trace.metadata.get("layout", {}).get("tp", 1) > 1))
     groups = group_waits(timelines)
     hung, blocked = classify_hang(merged)
     suspects = hang_suspects(merged, hung)

@@ -30,6 +30,11 @@ from megascan.detection.waits import GroupWaits
 # window (the scheduler's share, not the rank's work). The tests slow a rank 8x: one slowed 4x measured 2.5-3.3x
 # there (descheduled peers' outliers raise the means it is compared with); 4 of 17 runs of the test failed.
 SLOW_RATIO = {"cuda_event": 1.12, "host_clock": 3.0}
+# Where the trace measured under half of a rank's own work (--trace-tp-microbatches: one microbatch of each TP
+# rank's iteration) its delays are extrapolated from that sample (delay_attribution), and so is the sample's
+# spread: over one 2-iteration window (96 layer samples), a healthy H200 of a TP2 pair measured up to 1.21x its
+# peer while a GPU under a competing load at duty 0.5 measured 1.30-1.45x (2 x H200, GPT 1.3B, 2026-11-29).
+SLOW_RATIO_SAMPLED = 1.25
 # The excess others waited for, as a share of the traced iterations: a healthy GPU's few percent of
 # excess, on the work it happens to be last at, come to under 3 % of an iteration; a 1.2x culprit's
 # to 5 % or more. Below this a rank delayed nobody measurably, however slow.
@@ -51,13 +56,17 @@ def _waits_caused(rank, groups):
 
 
 def _evidence(rank, attribution, compute, delay, groups):
-    path = attribution.path_us
-    lines = [(f"delay it caused: its own work before the operations others waited for took "
+    path, added = attribution.path_us, min(max(delay.charged_us, 0.0), 0.99 * attribution.path_us)
+    estimated = (f"; estimated from the {100 * delay.measured_share:.0f}% of its own work the trace measured (the "
+                 f"rest spans tensor-parallel collectives that --trace-tp-microbatches left unrecorded)"
+                 if delay.measured_share < 0.99 else "")
+    lines = [(f"delay it caused: it made the {attribution.iterations} traced iterations {added / 1e3:.1f} ms "
+              f"longer than its peers' speed would have: the job ran {path / (path - added):.2f}x slower over them"
+              f"{estimated}"),
+             (f"others waited for it: its own work before the operations others waited for took "
               f"{delay.caused_us / 1e3:.1f} ms longer than its peers of the same role take for the same work "
-              f"({100 * delay.caused_us / path:.1f}% of the {attribution.iterations} traced iterations' "
-              f"{path / 1e3:.1f} ms)"),
-             (f"critical path: {100 * delay.path_us / path:.0f}% of it is this rank's own work, which made the "
-              f"iterations {max(delay.charged_us, 0.0) / 1e3:.1f} ms longer than its peers' speed would have")]
+              f"({100 * delay.caused_us / path:.1f}% of the traced iterations' {path / 1e3:.1f} ms)"),
+             f"critical path: {100 * delay.path_us / path:.0f}% of it is this rank's own work"]
     if rank in compute:
         lines.append(f"compute: its own compute took {compute[rank]['ratio']:.2f}x what the other ranks take for "
                      f"the same operations (theirs: {compute[rank]['others_ratio']:.2f}x; "
@@ -136,11 +145,15 @@ def find_culprits(merged: MergedTrace, attribution: DelayAttribution, compute: d
     path = attribution.path_us
     if path <= 0:
         return [], []
-    threshold = {rank: SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]) for rank, trace in merged.ranks.items()}
+    threshold = {rank: max(SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]),
+                           SLOW_RATIO_SAMPLED if attribution.ranks[rank].measured_share < 0.5 else 0.0)
+                 for rank, trace in merged.ranks.items() if rank in attribution.ranks}
     slow = {rank: delay for rank, delay in attribution.ranks.items()
             if _slowness(rank, compute, delay) >= threshold[rank] and not delay.host_side}
+    # The noise floor scales with a delay extrapolated from the measured part of the work (delay_attribution).
     floors = {rank: max(MIN_CAUSED_SHARE * path,
-                        attribution.noise.floor_us(attribution.iterations, delay.caused_records))
+                        attribution.noise.floor_us(attribution.iterations, delay.caused_records)
+                        / delay.measured_share)
               for rank, delay in attribution.ranks.items()}
     kinds = {rank: kind for rank, delay in attribution.ranks.items() if delay.caused_us >= floors[rank]
              and (kind := _classify(rank, delay, compute, threshold[rank], floors[rank]))}

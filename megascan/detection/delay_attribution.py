@@ -48,6 +48,9 @@ class RankDelay:
     caused_device_us: float = float("nan")
     launch_wait_share: float = float("nan")  # share of its own work in which its GPU waited for its host's launches
     launch_wait_share_of_peers: float = float("nan")  # the same share on the other ranks of its stage (median)
+    # The share of its own work that the trace measured: the rest spans collectives it did not record
+    # (--trace-tp-microbatches). The delays above are scaled up from the measured part (_extrapolate).
+    measured_share: float = 1.0
 
     @property
     def own_ratio(self) -> float:
@@ -89,10 +92,11 @@ def _add_masked(timelines, awaited, comparable, excess, ranks):
 
 
 def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
-                     compute_ratios: dict[int, float]) -> DelayAttribution:
+                     compute_ratios: dict[int, float], tp_sampled: frozenset[int] = frozenset()) -> DelayAttribution:
     """DelayAttribution of the critical paths (module docstring). ``compute_ratios``: rank -> its compute over
     what other ranks take for identical operations; it measures the work of a rank no other rank shares its
-    pipeline stage with (DP1 x TP1), whose expected work is then its own divided by that ratio."""
+    pipeline stage with (DP1 x TP1), whose expected work is then its own divided by that ratio. ``tp_sampled``:
+    the ranks that recorded only some microbatches' tensor-parallel collectives (_extrapolate)."""
     expected_gap = medians_of_others(timelines.gap, timelines.role_key)
     alone = np.isnan(expected_gap)
     ratio = np.array([compute_ratios.get(rank, np.nan) for rank in timelines.rank[alone].tolist()], dtype=np.float64)
@@ -144,6 +148,7 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
         delay.caused_records = int(records[rank]) if rank < len(records) else 0
     _split_host_and_device(timelines, waited_for, ranks)
     _add_masked(timelines, awaited, comparable, timelines.gap - expected_gap, ranks)
+    _extrapolate(timelines, {rank: ranks[rank] for rank in tp_sampled if rank in ranks})
     return DelayAttribution(sum(path.length_us for path in paths), len(paths), ranks, dict(charged_links),
                             estimate_noise(timelines, expected_gap, expected_lengths))
 
@@ -180,3 +185,26 @@ def _split_host_and_device(timelines, waited_for, ranks):
         if split[rank]:
             delay.caused_host_us, delay.caused_device_us = float(host_excess[rank]), float(device_excess[rank])
         delay.launch_wait_share, delay.launch_wait_share_of_peers = float(share), float(others)
+
+
+def _extrapolate(timelines, ranks):
+    """Scale each rank's delays from the own work the trace measured to all its own work.
+
+    With --trace-tp-microbatches only some microbatches' tensor-parallel collectives are recorded; the rest of
+    a TP rank's iteration is opaque (its gaps hold waits nobody measured) and is charged to nobody, so a slow
+    TP peer's delays would count only the measured few percent of the iteration. The microbatches are alike,
+    so the measured part is a sample of the whole: its excess per unit of own work holds for the opaque part
+    too. A victim's opaque gaps hold its waits, but its measured excess is nil, and so stays its estimate.
+    Only there: other unrecorded operations (a data-parallel rank's) do not make the measured part a sample."""
+    unrecorded = np.bincount(timelines.rank[timelines.opaque], weights=timelines.gap[timelines.opaque])
+    for rank, delay in ranks.items():
+        opaque_us = float(unrecorded[rank]) if rank < len(unrecorded) else 0.0
+        if opaque_us <= 0.0 or delay.own_us <= 0.0:
+            continue
+        delay.measured_share = delay.own_us / (delay.own_us + opaque_us)
+        scale = 1.0 / delay.measured_share
+        delay.charged_us *= scale
+        delay.caused_us *= scale
+        delay.caused_host_us *= scale
+        delay.caused_device_us *= scale
+        delay.masked_us = {other: us * scale for other, us in delay.masked_us.items()}
