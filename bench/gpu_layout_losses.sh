@@ -5,7 +5,7 @@
 # eager and with megatron-core's local CUDA graphs (--cuda-graph-impl local; REPEATS times, 1 by default), on GPUs
 # 0,1 and 2,3 two at a time; MODES=full: one graph of each whole iteration (--cuda-graph-scope full_iteration). For each run it also prints how long the job took to exit after its last iteration (a
 # job that does not exit is stopped after EXIT_WAIT s).
-#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] [MODES="eager graphs"] [REPEATS=3] bash bench/gpu_layout_losses.sh
+#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] (also tp2_sp_overlap: --tp-comm-overlap) [MODES="eager graphs"] [REPEATS=3] bash bench/gpu_layout_losses.sh
 # Outputs under ${RESULTS:-bench_results}/layout_losses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +17,7 @@ COMMON=("${MODEL[@]}" --hidden-dropout 0 --attention-dropout 0 --use-cpu-initial
         --global-batch-size 16 --train-iters "$ITERATIONS" --lr-warmup-iters 1 --log-interval 1)
 declare -A LAYOUT=([dp2]="" [dp2_distopt]="--use-distributed-optimizer"
                    [tp2_sp]="--tensor-model-parallel-size 2 --sequence-parallel"
+                   [tp2_sp_overlap]="--tensor-model-parallel-size 2 --sequence-parallel --tp-comm-overlap"
                    [pp2]="--pipeline-model-parallel-size 2"
                    [pp2_vp]="--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 6")
 

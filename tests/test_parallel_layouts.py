@@ -26,6 +26,8 @@ LAYOUTS = {
     "pp2_uneven": (2, ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3"]),
     "pp2_virtual": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "tp2_sequence_parallel": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp2_sequence_parallel_comm_overlap": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                               "--tp-comm-overlap"]),
     "pp2_recompute_full": (2, ["--pipeline-model-parallel-size", "2", "--recompute-granularity", "full",
                                "--recompute-method", "uniform", "--recompute-num-layers", "1"]),
     "tp2_recompute_selective": (2, ["--tensor-model-parallel-size", "2", "--recompute-granularity", "selective"]),

@@ -34,6 +34,14 @@ from megascan.detection.waits import group_waits, waited_for
 __all__ = ["Report", "Suspect", "detect"]
 
 
+def _tp_sampled(trace) -> bool:
+    """Whether a rank's GPU trace recorded only some microbatches' tensor-parallel collectives: its delays are then
+    extrapolated from them (delay_attribution). Not on a host-timed (CPU) trace, where a rank's measured microbatch
+    holds the scheduler's time slices of an oversubscribed host rather than a sample of its work."""
+    return (trace.timer == "cuda_event" and bool(trace.metadata.get("tp_microbatches_recorded"))
+            and trace.metadata.get("layout", {}).get("tp", 1) > 1)
+
+
 def detect(merged: MergedTrace, compute_totals: dict[int, OperationTotals] | None = None) -> Report:
     """The Report of a MergedTrace; ``compute_totals``: each rank's compute.operation_totals where they were
     gathered instead of the events (online detection)."""
@@ -41,9 +49,7 @@ def detect(merged: MergedTrace, compute_totals: dict[int, OperationTotals] | Non
     compute = compute_slowness(merged, compute_totals)
     attribution = attribute_delays(timelines, critical_paths(timelines),
                                    {rank: entry["ratio"] for rank, entry in compute.items()},
-                                   frozenset(rank for rank, trace in merged.ranks.items()
-                                             if trace.metadata.get("tp_microbatches_recorded")
-                                             and trace.metadata.get("layout", {}).get("tp", 1) > 1))
+                                   frozenset(rank for rank, trace in merged.ranks.items() if _tp_sampled(trace)))
     groups = group_waits(timelines)
     hung, blocked = classify_hang(merged)
     suspects = hang_suspects(merged, hung)

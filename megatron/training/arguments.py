@@ -148,6 +148,10 @@ def _add_parallel_args(parser):
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="transformer layers of the last pipeline stage (default: an even split)")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="with --sequence-parallel: overlap each linear layer's tensor-parallel all-gather and "
+                        "reduce-scatter with its GEMM (PyTorch's symmetric-memory fused operators on GPUs; on CPU "
+                        "the same layers without overlap)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--batch-p2p-sync", action="store_true",

@@ -45,6 +45,11 @@ def _validate_layout(args, world_size):
              f"--tensor-model-parallel-size {tp}")
     if args.sequence_parallel and tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split with one TP rank
+    if args.tp_comm_overlap:
+        _require(args.sequence_parallel, "--tp-comm-overlap overlaps sequence parallelism's collectives: add "
+                                         "--sequence-parallel (and --tensor-model-parallel-size > 1)")
+        _require(args.transformer_impl == "local", "--tp-comm-overlap works on the local layers: drop it or use "
+                                                   "--transformer-impl local")
 
 
 def _validate_uneven_stages(args, pp):
