@@ -32,6 +32,9 @@ CASES = {
     "server": (4, "tools/run_text_generation_server.py",
                TINY_SERVER + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                               "--port", "0"], "server pid", 3, "in serving requests"),
+    "server-tp2": (2, "tools/run_text_generation_server.py",  # the server on two GPUs
+                   TINY_SERVER + ["--tensor-model-parallel-size", "2", "--port", "0"], "server pid", 1,
+                   "in serving requests"),
 }
 
 
