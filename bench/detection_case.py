@@ -40,7 +40,6 @@ class OnlineAlert:
 
 @dataclass
 class DetectionCase:
-    directory: Path
     spec: dict  # case.json: SPEC_FIELDS
     times: dict[int, float]  # iteration -> ms, the log's per-iteration times
     onset: int  # the iteration the load began in (the log's marker), else the configured onset
@@ -116,7 +115,7 @@ def read_case(directory: Path) -> DetectionCase:
     onset, load_began = load_onset(text, spec["onset"])
     report = _json(directory / "report.json") if (directory / "report.json").exists() else None
     return DetectionCase(
-        directory=directory, spec=spec,
+        spec=spec,
         times={int(m.group(1)): float(m.group(2)) for m in ITERATION_TIME.finditer(text)},
         onset=onset, load_began=load_began,
         alerts=[OnlineAlert(int(m.group(1)), int(m.group(2)), int(m.group(3)), int(m.group(4)), m.group(5))

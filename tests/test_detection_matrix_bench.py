@@ -81,6 +81,7 @@ def test_the_matrix_on_two_gpus_is_each_layouts_loads_between_its_healthy_runs(t
         expected += [f"1.3b_mb8-{layout}-healthy-1:1.3b_mb8:{layout}:none::8", *loads,
                      f"1.3b_mb8-{layout}-healthy-2:1.3b_mb8:{layout}:none::8"]
     assert result.stdout.splitlines() == expected + ["14 case(s) of 30 iterations"]
+    assert list(tmp_path.iterdir()) == []  # a listing runs nothing, nor preprocesses the data
 
 
 def test_the_matrix_on_four_gpus_loads_a_tp_peer_both_stages_a_replica_and_pp4s_ends(tmp_path):
@@ -104,10 +105,10 @@ def test_the_matrix_on_four_gpus_loads_a_tp_peer_both_stages_a_replica_and_pp4s_
     ({"CASES": "a:tiny:dp2:none"}, "MATRIX=1 makes its own cases: leave CASES unset (ONLY, SIZES_LIST, DUTIES and "
                                    "HEALTHY_RUNS choose among them)"),
 ])
-def test_a_filter_that_selects_nothing_real_is_refused_in_one_line(tmp_path, env, line):
-    result = run_bench(tmp_path, MATRIX="1", LIST="1", **env)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.splitlines()[-1] == f"gpu_megascan_detection.sh: {line}"
+def test_a_bad_setting_is_refused_in_one_line_before_anything_runs(tmp_path, env, line):
+    result = run_bench(tmp_path, MATRIX="1", **env)
+    assert (result.returncode, result.stdout, result.stderr) == (2, "", f"gpu_megascan_detection.sh: {line}\n")
+    assert list(tmp_path.iterdir()) == []  # not even the data preprocessed
 
 
 def test_the_table_of_a_folder_without_cases_is_refused_in_one_line(tmp_path):
