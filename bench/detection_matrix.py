@@ -209,7 +209,8 @@ def judge(case: DetectionCase, cases: list[DetectionCase]) -> tuple[list[str], b
     failures = _run_failures(case) + judged.failures
     failures += [f"online and offline differ in window(s) {', '.join(str(w.number) for w in differ)}"] if differ else []
     whole = case.report["suspects"] if case.report else []
-    whole_run = ("no suspect" if not whole else describe((whole[0]["rank"], kind_label(whole[0]["kind"]))) +
+    whole_run = ("n/a" if case.report is None else "no suspect" if not whole else
+                 describe((whole[0]["rank"], kind_label(whole[0]["kind"]))) +
                  (f" (+{len(whole) - 1} more)" if len(whole) > 1 else ""))
     verdict = "PASS" if not failures else "FAIL: " + "; ".join(failures)
     return [case.name, job_label(case), judged.load, f"{_ms(healthy_ms)} ({source})", judged.loaded_ms,

@@ -127,7 +127,7 @@ load_from_iteration() {
 stop_load() {
     while kill -0 "$1" 2>/dev/null && [[ ! -s $2 ]]; do sleep 0.2; done
     [[ -s $2 ]] && kill -TERM "$(cat "$2")" 2>/dev/null
-    wait "$1"
+    wait "$1" 2>/dev/null
 }
 
 # The case's training job, into the caller's redirection.
@@ -173,6 +173,17 @@ run_case() {
     rm -rf "$dir/checkpoints" "$dir/merged.json"
 }
 
+# Interrupted (Ctrl-C, a time limit's SIGTERM): the running case's job (timeout passes the signal on to torchrun)
+# and load are stopped before the script ends; that case's case.json keeps "exit": null.
+interrupted() {
+    if [[ -n ${job_pid-} ]]; then
+        pkill -TERM -P "$job_pid"
+        wait "$job_pid" 2>/dev/null  # (not a child any more when the job had ended)
+    fi
+    [[ -n ${load_pid-} ]] && stop_load "$load_pid" "$dir/load.pid"
+    exit 130
+}
+
 if [[ ${MATRIX:-0} == 1 ]]; then
     [[ -z ${CASES-} ]] || fail "MATRIX=1 makes its own cases: leave CASES unset (ONLY, SIZES_LIST, DUTIES and" \
         "HEALTHY_RUNS choose among them)"
@@ -190,6 +201,7 @@ if [[ ${LIST:-0} == 1 ]]; then
     exit 0
 fi
 prepare_gpt_data
+trap interrupted INT TERM
 for case in $cases; do
     IFS=: read -r name model layout gpu duty onset <<< "$case"
     run_case "$name" "$model" "$layout" "$gpu" "${duty:-1}" "${onset:-10}"
