@@ -45,6 +45,10 @@ fail() {
     exit 2
 }
 
+sorted_words() {
+    printf '%s\n' "$@" | LC_ALL=C sort | paste -sd ' '
+}
+
 # The matrix's cases (header comment), one "name:model:layout:gpu:duty:onset" a line: each job's first healthy
 # run before its loaded ones and the others after, so that a drift of the machine shows between them.
 matrix_cases() {
@@ -59,7 +63,7 @@ matrix_cases() {
     [[ ${HEALTHY_RUNS:-2} =~ ^[0-9]+$ ]] || fail "HEALTHY_RUNS: '$HEALTHY_RUNS' is not a number of runs"
     for size in ${SIZES_LIST-1.3b_mb8 345m}; do
         [[ $size == tiny || -n ${SIZES[$size]+set} ]] || fail "SIZES_LIST: no size '$size'; the sizes are tiny" \
-            "${!SIZES[*]}"
+            "$(sorted_words "${!SIZES[@]}")"
         for layout in $layouts; do
             [[ -z ${ONLY-} || " $ONLY " == *" $layout "* ]] || continue
             (( ${HEALTHY_RUNS:-2} > 0 )) && echo "$size-$layout-healthy-1:$size:$layout:none::$MATRIX_ONSET"
@@ -80,10 +84,10 @@ matrix_cases() {
 check_case() {
     local name=$1 model=$2 layout=$3 gpu=$4 duty=$5 onset=$6
     [[ $name =~ ^[A-Za-z0-9._-]+$ ]] || fail "case '$name': name it with letters, digits, '.', '_' or '-'"
-    [[ $model == tiny || -n ${SIZES[$model]+set} ]] || fail "case $name: no model '$model'; the models are" \
-        "tiny ${!SIZES[*]}"
-    [[ -n ${LAYOUT_PROCS[$layout]+set} ]] || fail "case $name: no layout '$layout'; the layouts are" \
-        "${!LAYOUT_PROCS[*]}"
+    [[ $model == tiny || ( -n $model && -n ${SIZES[$model]+set} ) ]] || fail "case $name: no model '$model'; the models are" \
+        "tiny $(sorted_words "${!SIZES[@]}")"
+    [[ -n $layout && -n ${LAYOUT_PROCS[$layout]+set} ]] || fail "case $name: no layout '$layout'; the layouts are" \
+        "$(sorted_words "${!LAYOUT_PROCS[@]}")"
     [[ $gpu == none || $gpu =~ ^[0-9]+$ ]] || fail "case $name: GPU '$gpu' is neither a GPU index nor none"
     [[ $gpu == none || $duty =~ ^(0?\.[0-9]*[1-9][0-9]*|1(\.0*)?)$ ]] || fail "case $name: duty '$duty' is" \
         "not a number in (0, 1]"

@@ -100,13 +100,16 @@ def test_the_matrix_on_four_gpus_loads_a_tp_peer_both_stages_a_replica_and_pp4s_
     ({"GPUS": "2", "ONLY": "pp4"}, "ONLY: no layout 'pp4' in the 2-GPU matrix; its layouts are tp2 pp2 dp2"),
     ({"GPUS": "8"}, "MATRIX=1: the matrix is for 2 or 4 GPUs and GPUS is 8 (nvidia-smi's count unless set); set "
                     "GPUS=2 or GPUS=4 (the first GPUS GPUs are used)"),
-    ({"GPUS": "2", "SIZES_LIST": "7b"}, "SIZES_LIST: no size '7b'; the sizes are tiny 1.3b_mb8 345m 1.3b"),
+    ({"GPUS": "2", "SIZES_LIST": "7b"}, "SIZES_LIST: no size '7b'; the sizes are tiny 1.3b 1.3b_mb8 345m"),
     ({"GPUS": "2", "DUTIES": "1.5"}, "case 1.3b_mb8-tp2-gpu1-d1.5: duty '1.5' is not a number in (0, 1]"),
     ({"CASES": "a:tiny:dp2:none"}, "MATRIX=1 makes its own cases: leave CASES unset (ONLY, SIZES_LIST, DUTIES and "
                                    "HEALTHY_RUNS choose among them)"),
+    # the cases given by hand are checked the same way
+    ({"MATRIX": "0", "CASES": "a:tiny:dp2:none b:tiny"}, "case b: no layout ''; the layouts are 1 dp2 dp2pp2 dp4 "
+                                                         "pp2 pp4 tp2 tp2dp2 tp2pp2"),
 ])
 def test_a_bad_setting_is_refused_in_one_line_before_anything_runs(tmp_path, env, line):
-    result = run_bench(tmp_path, MATRIX="1", **env)
+    result = run_bench(tmp_path, **{"MATRIX": "1", **env})
     assert (result.returncode, result.stdout, result.stderr) == (2, "", f"gpu_megascan_detection.sh: {line}\n")
     assert list(tmp_path.iterdir()) == []  # not even the data preprocessed
 
