@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # MegaScan detection on real GPUs (docs/benchmarks.md, "MegaScan: detection"): traced runs, each
-# aggregated with `tools/aggregate.py -d` on the machine, and with --trace-detect on, so the log holds
-# the online alerts too. Each case in CASES is "<name>:<model>:<layout>:<gpu under load|none>:<duty>:<onset>":
+# aggregated with `tools/aggregate.py --per-window` on the machine (the whole run and each window judged), and
+# with --trace-detect on, so the log holds the online alerts too. Each case in CASES is "<name>:<model>:<layout>:<gpu under load|none>:<duty>:<onset>":
 #   model  tiny (the quickstart's examples/gpt3/train_gpt_tiny.sh job), 345m, 1.3b or 1.3b_mb8
 #          (bench/gpt345m_setup.sh)
-#   layout dp<N>, tp2pp2 (with sequence parallelism), dp2pp2, tp2dp2 (sequence parallel), tp2, pp2, 1
+#   layout dp<N>, tp2pp2 (with sequence parallelism), dp2pp2, tp2dp2 (sequence parallel), tp2, pp2, pp4, 1
 #   onset  the iteration at which scripts/gpu_load.py starts on that GPU (clocks untouched), so the log's
 #          per-iteration times before and after it say how much slower the job became; the log marks when
 #          the load's GEMMs began, and the summary says which iteration that was and which window's online
@@ -23,7 +23,7 @@
 # LIST=1 prints the cases and runs nothing. A case takes ~1.5 min at 1.3b_mb8 on H200 (start-up included), less
 # at 345m: the 2-GPU matrix is 28 cases (~40 min), so run it in parts into one RESULTS, e.g.
 # `MATRIX=1 ONLY=tp2 SIZES_LIST=1.3b_mb8` (4 cases) or `ONLY=pp2 SIZES_LIST=1.3b_mb8 DUTIES=0.5` (4), then
-# `python bench/detection_matrix.py RESULTS` tabulates every case there against the issue's checks.
+# `python bench/detection_matrix.py RESULTS` tabulates every case there, each judged PASS or FAIL.
 # Outputs under ${RESULTS:-bench_results}/detect_<name>/ (case.json: the case and the job's exit status; log,
 # report.txt, report.json with each window judged alone (--per-window), trace files).
 set -uo pipefail
