@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # MegaScan detection on real GPUs (docs/benchmarks.md, "MegaScan: detection"): traced runs, each
 # aggregated with `tools/aggregate.py --per-window` on the machine (the whole run and each window judged), and
-# with --trace-detect on, so the log holds the online alerts too. Each case in CASES is "<name>:<model>:<layout>:<gpu under load|none>:<duty>:<onset>":
+# with --trace-detect on, so the log holds the online alerts too. Each case in CASES is
+# "<name>:<model>:<layout>:<gpu under load|none>:<duty>:<onset>":
 #   model  tiny (the quickstart's examples/gpt3/train_gpt_tiny.sh job), 345m, 1.3b or 1.3b_mb8
 #          (bench/gpt345m_setup.sh)
 #   layout dp<N>, tp2pp2 (with sequence parallelism), dp2pp2, tp2dp2 (sequence parallel), tp2, pp2, pp4, 1
