@@ -85,8 +85,8 @@ matrix_cases() {
 check_case() {
     local name=$1 model=$2 layout=$3 gpu=$4 duty=$5 onset=$6
     [[ $name =~ ^[A-Za-z0-9._-]+$ ]] || fail "case '$name': name it with letters, digits, '.', '_' or '-'"
-    [[ $model == tiny || ( -n $model && -n ${SIZES[$model]+set} ) ]] || fail "case $name: no model '$model'; the models are" \
-        "tiny $(sorted_words "${!SIZES[@]}")"
+    [[ $model == tiny || ( -n $model && -n ${SIZES[$model]+set} ) ]] || fail "case $name: no model '$model';" \
+        "the models are tiny $(sorted_words "${!SIZES[@]}")"
     [[ -n $layout && -n ${LAYOUT_PROCS[$layout]+set} ]] || fail "case $name: no layout '$layout'; the layouts are" \
         "$(sorted_words "${!LAYOUT_PROCS[@]}")"
     [[ $gpu == none || $gpu =~ ^[0-9]+$ ]] || fail "case $name: GPU '$gpu' is neither a GPU index nor none"
