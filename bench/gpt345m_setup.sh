@@ -3,11 +3,16 @@
 # what turns it into GPT 1.3B (hidden 2048, sequence 2048), and 1.3b_mb8 that with micro batch 8
 # (global 64): twice the GPU's work per launch, so that the GPUs, not the hosts, set the pace.
 RESULTS=${RESULTS:-bench_results}
-mkdir -p "$RESULTS/data"
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-python3 tools/preprocess_data.py --input datasets/gpt/corpus.jsonl --output-prefix "$RESULTS/data/gpt" \
-    --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json \
-    --merge-file datasets/gpt/merges.txt --append-eod --workers 8 > /dev/null || exit 1
+# The sample data under $RESULTS/data; sourced with --data-later, the script calls this itself once it knows it
+# will run a job (a listing or a refused input then costs no preprocessing).
+prepare_gpt_data() {
+    mkdir -p "$RESULTS/data"
+    python3 tools/preprocess_data.py --input datasets/gpt/corpus.jsonl --output-prefix "$RESULTS/data/gpt" \
+        --tokenizer-type GPT2BPETokenizer --vocab-file datasets/gpt/vocab.json \
+        --merge-file datasets/gpt/merges.txt --append-eod --workers 8 > /dev/null || exit 1
+}
+[[ ${1-} == --data-later ]] || prepare_gpt_data
 MODEL=(--num-layers 24 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
        --max-position-embeddings 1024 --micro-batch-size 4 --global-batch-size 32 --bf16
        --lr 0.00015 --min-lr 1.0e-5 --lr-decay-style cosine --lr-warmup-iters 5 --weight-decay 1e-2
