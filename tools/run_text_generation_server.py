@@ -150,6 +150,8 @@ def main():
                                 functools.partial(_apply_control, args, model))
     rank = torch.distributed.get_rank()
     rest = websocket = None
+    # Every rank has its model before rank 0 says it listens: "server pid" means the whole server is up.
+    torch.distributed.barrier()
     if rank == 0:
         _stop_on_signals(service)
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")

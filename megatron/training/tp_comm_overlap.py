@@ -22,7 +22,10 @@ import warnings
 
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import _gather_along_first_dim, _reduce_scatter_along_first_dim
+from megatron.core.tensor_parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 
 _SYMMETRIC_GROUPS: set[str] = set()  # groups whose symmetric memory is set up (once per group)
 
@@ -45,7 +48,7 @@ def _all_gather_matmul(shard, weight_t, group):
     if shard.is_cuda:
         gathered, (product,) = torch.ops.symm_mem.fused_all_gather_matmul(shard, [weight_t], 0, _symmetric(group))
         return gathered, product
-    gathered = _gather_along_first_dim(shard, group)
+    gathered = gather_from_sequence_parallel_region(shard, group=group)  # no autograd here: a plain all-gather
     return gathered, torch.matmul(gathered, weight_t)
 
 
@@ -53,7 +56,7 @@ def _matmul_reduce_scatter(inputs, weight_t, group):
     """(``inputs`` @ ``weight_t``) summed over the group and scattered along the sequence."""
     if inputs.is_cuda:
         return torch.ops.symm_mem.fused_matmul_reduce_scatter(inputs, weight_t, "sum", 0, _symmetric(group))
-    return _reduce_scatter_along_first_dim(torch.matmul(inputs, weight_t), group)
+    return reduce_scatter_to_sequence_parallel_region(torch.matmul(inputs, weight_t), group=group)
 
 
 def _weight_grad(grad_output, inputs):
