@@ -49,8 +49,7 @@ def transformer_config(args):
         bias_activation_fusion=not on_cpu and (args.bias_swiglu_fusion if args.swiglu
                                                else args.bias_gelu_fusion and args.add_bias_linear),
         bias_dropout_fusion=not on_cpu and args.bias_dropout_fusion,
-        cross_entropy_loss_fusion=not on_cpu and args.cross_entropy_loss_fusion,
-        cross_entropy_fusion_impl="native",
+        cross_entropy_loss_fusion=not on_cpu and args.cross_entropy_loss_fusion,  # megatron-core's native one
         masked_softmax_fusion=(not on_cpu and args.masked_softmax_fusion
                                and importlib.util.find_spec("scaled_masked_softmax_cuda") is not None),
         gradient_accumulation_fusion=False,

@@ -27,19 +27,16 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
-_SYMMETRIC_GROUPS: set[str] = set()  # groups whose symmetric memory is set up (once per group)
-
 
 def _symmetric(group):
-    """The group's name for the symmetric-memory operators, registering the group on first use."""
-    name = group.group_name
-    if name not in _SYMMETRIC_GROUPS:
-        from torch.distributed import _symmetric_memory
+    """The group's name for the symmetric-memory operators, the group registered with them on first use."""
+    from torch.distributed import _symmetric_memory
 
+    name = group.group_name
+    if not _symmetric_memory.is_symm_mem_enabled_for_group(name):
         with warnings.catch_warnings():  # newer PyTorch registers groups itself and deprecates the call
             warnings.simplefilter("ignore", FutureWarning)
             _symmetric_memory.enable_symm_mem_for_group(name)
-        _SYMMETRIC_GROUPS.add(name)
     return name
 
 
