@@ -8,6 +8,11 @@ lines after the first two iterations.
 
     python bench/megafbd_bench.py --device cpu                    # CPU: PP1 and PP2, normal vs FBD
     python bench/megafbd_bench.py --device cuda --cases gpu       # one GPU: FBD forward on the CPU
+    python bench/megafbd_bench.py --device cuda --cases gpu --model 1.3b --rounds 2 --only recomputation,FBD:
+
+``--rounds`` runs the chosen cases again in the same order, so that cases compared with each other alternate
+on the same machine (a host-bound run's time moves with the host). ``--load-duty`` runs
+``scripts/gpu_load.py`` on GPU 0 beside every case (a GPU shared with another job).
 """
 
 import argparse
@@ -38,18 +43,24 @@ CASES = {  # name: (processes, flags)
     },
     "gpu": {
         "normal (GPU, no recomputation)": (1, []),
-        "normal (GPU)": (1, RECOMPUTE),
+        "normal (GPU, full recomputation)": (1, RECOMPUTE),
         "FBD: backward GPU, forward CPU": (2, RECOMPUTE + FBD + ["--fbd-forward-device", "cpu"]),
         "FBD staleness 1: backward GPU, forward CPU": (
             2, RECOMPUTE + FBD + ["--fbd-forward-device", "cpu", "--fbd-weight-staleness", "1"]),
     },
 }
 
-MODELS = {
+MODELS = {  # --model: "cpu" and "gpu" are the cases' defaults
     "cpu": ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256",
             "--max-position-embeddings", "256", "--micro-batch-size", "4", "--global-batch-size", "16"],
     "gpu": ["--num-layers", "12", "--hidden-size", "768", "--num-attention-heads", "12", "--seq-length", "1024",
             "--max-position-embeddings", "1024", "--micro-batch-size", "8", "--global-batch-size", "64", "--bf16"],
+    # Without CUDA graphs (recomputation turns them off) the host bounds the two models above on an H200: its
+    # speed, which varies between runs, sets their times. The GPU bounds GPT 1.3B's.
+    "1.3b": ["--num-layers", "24", "--hidden-size", "2048", "--num-attention-heads", "16", "--seq-length", "2048",
+             "--max-position-embeddings", "2048", "--micro-batch-size", "4", "--global-batch-size", "16", "--bf16"],
+    "345m": ["--num-layers", "24", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+             "--max-position-embeddings", "1024", "--micro-batch-size", "8", "--global-batch-size", "64", "--bf16"],
 }
 
 _ITERATION_MS = re.compile(r"iteration\s+(\d+)/.*?elapsed time per iteration \(ms\): ([0-9.]+)")
@@ -117,27 +128,55 @@ def describe_ranks(nproc, flags, peaks, log):
     return rows
 
 
+def _competing_load(duty):
+    """scripts/gpu_load.py on GPU 0 until the returned process is terminated (None: no load)."""
+    if not duty:
+        return None
+    load = subprocess.Popen([sys.executable, str(REPO / "scripts/gpu_load.py"), "--gpu", "0", "--duty", str(duty)],
+                            cwd=REPO, stdout=subprocess.PIPE, text=True)
+    if not load.stdout.readline().startswith("gpu_load: "):  # its first line: the GEMMs have started
+        sys.exit(f"megafbd_bench: scripts/gpu_load.py did not start (exit {load.wait()})")
+    return load
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--cases", choices=list(CASES), default=None, help="default: cpu on CPU, gpu on cuda")
+    parser.add_argument("--model", choices=list(MODELS), default=None, help="default: the cases' own")
+    parser.add_argument("--only", default="", help="comma-separated substrings: run the cases whose name has one")
+    parser.add_argument("--rounds", type=int, default=1, help="run the cases this many times, alternating")
+    parser.add_argument("--load-duty", type=float, default=0.0, help="a competing load on GPU 0 (0: none)")
     parser.add_argument("--iterations", type=int, default=12)
     parser.add_argument("--timeout", type=int, default=150, help="seconds per case")
     args = parser.parse_args()
     cases = args.cases or ("cpu" if args.device == "cpu" else "gpu")
-    common = MODELS[cases] + [
+    model = MODELS[args.model or cases]
+    chosen = {name: case for name, case in CASES[cases].items()
+              if not args.only or any(part in name for part in args.only.split(","))}
+    if not chosen:
+        parser.error(f"--only {args.only!r} matches none of: {', '.join(CASES[cases])}")
+    common = model + [
         "--device", args.device, "--mock-data", "--vocab-size", "32000", "--train-iters", str(args.iterations),
         "--lr", "1e-4", "--lr-warmup-iters", "1", "--log-interval", "1", "--eval-iters", "0",
         "--hidden-dropout", "0", "--attention-dropout", "0", "--num-workers", "0"]
-    print(f"model: {' '.join(MODELS[cases])}; {args.iterations} iterations; median ms/iteration after the 2nd")
-    print("| case | processes | ms / iteration | per process: peak host RSS MB (GPU MB) |")
-    print("|---|---|---|---|")
-    for name, (nproc, flags) in CASES[cases].items():
-        code, ms, peaks, log = run_case(nproc, flags, common, args.timeout)
-        per_rank = "; ".join(f"{label} {rss:.0f}" + (f" ({gpu})" if gpu else "")
-                             for label, rss, gpu in describe_ranks(nproc, flags, peaks, log))
-        shown = f"{ms:.0f}" if ms is not None else f"failed (exit {code})"
-        print(f"| {name} | {nproc} | {shown} | {per_rank} |", flush=True)
+    load = f"; scripts/gpu_load.py on GPU 0 at duty {args.load_duty}" if args.load_duty else ""
+    print(f"model: {' '.join(model)}; {args.iterations} iterations; median ms/iteration after the 2nd{load}")
+    print("| round | case | processes | ms / iteration | per process: peak host RSS MB (GPU MB) |")
+    print("|---|---|---|---|---|")
+    competing = _competing_load(args.load_duty)
+    try:
+        for round_ in range(1, args.rounds + 1):
+            for name, (nproc, flags) in chosen.items():
+                code, ms, peaks, log = run_case(nproc, flags, common, args.timeout)
+                per_rank = "; ".join(f"{label} {rss:.0f}" + (f" ({gpu})" if gpu else "")
+                                     for label, rss, gpu in describe_ranks(nproc, flags, peaks, log))
+                shown = f"{ms:.0f}" if ms is not None else f"failed (exit {code})"
+                print(f"| {round_} | {name} | {nproc} | {shown} | {per_rank} |", flush=True)
+    finally:
+        if competing is not None:
+            competing.terminate()
+            competing.wait()
 
 
 if __name__ == "__main__":

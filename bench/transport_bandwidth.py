@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megadpp.transport import cuda_ipc_transport, shared_memory_transport
-from megadpp.transport.factories import DEFAULT_CUDA_SLOT_BYTES, DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, DEFAULT_WORKLOAD
+from megadpp.transport.factories import DEFAULT_SLOT_BYTES, DEFAULT_SLOTS, DEFAULT_WORKLOAD
 
 
 def parse_bytes(text):
@@ -63,9 +63,10 @@ class Nccl:
 
 
 class Transport:
-    def __init__(self, transport, name):
+    def __init__(self, transport, name, on_gpu):
         self.transport = transport
         self.name = name
+        self.on_gpu = on_gpu
 
     def isend(self, tensor, peer):
         return self.transport.isend(tensor, peer)
@@ -73,9 +74,10 @@ class Transport:
     def irecv(self, like, peer):
         return self.transport.irecv(peer)
 
-    @staticmethod
-    def done(handle):
-        handle.wait()  # a CUDA IPC handle completes once its copy has run on the GPU
+    def done(self, handle):
+        handle.wait()  # on GPUs: the copy is queued and the current stream ordered after it (as NCCL's wait)
+        if self.on_gpu:
+            torch.cuda.current_stream().synchronize()
 
 
 def latency(link, rank, x, iters):
@@ -122,25 +124,24 @@ def main():
                         help="bytes per bandwidth stream (at least 4 messages)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workload", type=parse_bytes, default=DEFAULT_WORKLOAD)
-    parser.add_argument("--slot-bytes", type=parse_bytes, default=None,
-                        help="bytes per ring slot (default: the transport's, 4 MiB in shared memory, 16 MiB on GPUs)")
+    parser.add_argument("--slot-bytes", type=parse_bytes, default=DEFAULT_SLOT_BYTES,
+                        help="bytes per shared-memory ring slot (CUDA IPC has no ring of bytes: it copies from the "
+                             "sender's tensor)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: the CUDA IPC transport (the two ranks may share one GPU) against gloo via host")
     args = parser.parse_args()
-    if args.slot_bytes is None:
-        args.slot_bytes = DEFAULT_CUDA_SLOT_BYTES if args.device == "cuda" else DEFAULT_SLOT_BYTES
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-        transport = Transport(cuda_ipc_transport(rank, [1 - rank], device=device.index, name="bench",
-                                                 slot_bytes=args.slot_bytes), "CUDA IPC")
+        transport = Transport(cuda_ipc_transport(rank, [1 - rank], device=device.index, name="bench"), "CUDA IPC",
+                              on_gpu=True)
         links = [transport, Nccl()]
     else:
         device = torch.device("cpu")
         transport = Transport(shared_memory_transport(rank, [1 - rank], name="bench", workload=args.workload,
-                                                      slot_bytes=args.slot_bytes), "shm")
+                                                      slot_bytes=args.slot_bytes), "shm", on_gpu=False)
         links = [transport, Gloo()]
     rows = []
     size = args.min_bytes
@@ -158,8 +159,9 @@ def main():
     transport.transport.close()
     if rank == 0:
         ours, theirs = (link.name for link in links)
-        print(f"\n{device}: slots {DEFAULT_SLOTS} x {args.slot_bytes >> 20} MiB, workload {args.workload} bytes; "
-              f"ratios: {ours} / {theirs}\n")
+        ring = (f"slots {DEFAULT_SLOTS}" if args.device == "cuda" else
+                f"slots {DEFAULT_SLOTS} x {args.slot_bytes >> 20} MiB, workload {args.workload} bytes")
+        print(f"\n{device}: {ring}; ratios: {ours} / {theirs}\n")
         print(f"| message | {ours} latency (µs) | {theirs} latency (µs) | latency ratio | {ours} bandwidth (GB/s) | "
               f"{theirs} bandwidth (GB/s) | bandwidth ratio |")
         print("|---:|---:|---:|---:|---:|---:|---:|")

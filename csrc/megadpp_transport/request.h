@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,6 +39,9 @@ struct Request {
   at::Tensor tensor;  // sent (contiguous) or received; read only after done
   std::string error;  // set instead of the tensor when the transfer failed
   std::weak_ptr<Progress> progress;  // the channel that can drive this request, while it exists
+  // What taking the completed request's tensor must do first, once (CUDA IPC: order the taker's stream after
+  // the copy); empty where a completed request's tensor is ready as it is.
+  std::function<void()> on_take;
 
   bool is_completed() const { return done_.load(std::memory_order_acquire); }
 
@@ -50,6 +54,14 @@ struct Request {
   bool wait_progressing(double timeout_s) {
     if (auto channel = progress.lock()) return channel->wait(*this, timeout_s);
     return wait(timeout_s);
+  }
+
+  // Called by whoever uses the tensor of a completed request, on its thread and stream.
+  void take() {
+    if (!on_take) return;
+    auto first_use = std::move(on_take);
+    on_take = nullptr;
+    first_use();
   }
 
   void complete(std::string failure = "") {

@@ -12,6 +12,7 @@ inline void bind_request(pybind11::module_& m) {
   namespace py = pybind11;
   py::class_<Request, std::shared_ptr<Request>>(m, "Request", py::module_local())
       .def("is_completed", &Request::poll)
+      .def("take", &Request::take)
       .def("wait", &Request::wait_progressing, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
       .def_readonly("tensor", &Request::tensor)
       .def_readonly("error", &Request::error)

@@ -16,9 +16,11 @@ until asked for). Any number of sends and receives may be outstanding on a chann
 Kinds (all behind the same interface):
 - ``shared_memory_transport``: processes of one node, a /dev/shm ring of preallocated slots per
   directed pair of ranks, copies done by C++ threads of the ``megadpp_transport`` extension (csrc/).
-- ``cuda_ipc_transport``: GPU tensors of processes of one node: device rings exchanged by CUDA IPC
-  handles, device-to-device copies on a side stream, completion by IPC events (built only where
-  CUDA is; elsewhere the import says so in one line and the factory raises).
+- ``cuda_ipc_transport``: GPU tensors of processes of one node: the receiver copies each message
+  straight out of the sender's memory (shared once per allocator segment through CUDA IPC), ordered by
+  IPC events; a receive completes once its copy is queued, and ``wait`` orders the caller's stream after
+  it, as NCCL does (built only where CUDA is; elsewhere the import says so in one line and the factory
+  raises).
 - ``distributed_transport``: across nodes, torch.distributed isend/irecv (NCCL on GPUs, gloo on CPU).
 
 Observer: every factory takes ``observer``, called once per completed transfer with a

@@ -16,9 +16,6 @@ from megadpp.transport.routed import RoutedTransport
 
 DEFAULT_SLOTS = 8
 DEFAULT_SLOT_BYTES = 4 << 20
-# GPU rings take 16 MiB slots: a slot's chunk costs host work on both sides (events, a header), and on H100s
-# 4 MiB chunks reached 0.44x NCCL's bandwidth for large messages, 16 MiB ones 0.74x (docs/benchmarks.md).
-DEFAULT_CUDA_SLOT_BYTES = 16 << 20
 DEFAULT_WORKLOAD = 4 << 20  # bytes one copy thread handles; a slot of 4 MiB is copied by one thread
 
 
@@ -35,12 +32,12 @@ def shared_memory_transport(rank: int, peers: Iterable[int], *, store: dist.Stor
 
 
 def cuda_ipc_transport(rank: int, peers: Iterable[int], *, device: int | None = None, store: dist.Store | None = None,
-                       name: str = "megadpp", slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_CUDA_SLOT_BYTES,
-                       shm_limit_bytes: int | None = None, observer: TransferObserver | None = None,
-                       timeout: float = 300.0) -> Transport:
+                       name: str = "megadpp", slots: int = DEFAULT_SLOTS, shm_limit_bytes: int | None = None,
+                       observer: TransferObserver | None = None, timeout: float = 300.0) -> Transport:
     """GPU tensors of processes of one node (they may share one GPU); ``device``: this rank's GPU
-    (default: the current one). Options as for ``shared_memory_transport``."""
-    return node.cuda_ipc(rank, peers, device=device, store=store, name=name, slots=slots, slot_bytes=slot_bytes,
+    (default: the current one); ``slots``: messages a channel holds unconsumed (the receiver copies each
+    straight out of the sender's memory). Other options as for ``shared_memory_transport``."""
+    return node.cuda_ipc(rank, peers, device=device, store=store, name=name, slots=slots,
                          shm_limit_bytes=shm_limit_bytes, observer=observer, timeout=timeout)
 
 

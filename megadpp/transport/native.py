@@ -74,7 +74,7 @@ class NativeHandle(Handle):
         self.peer = peer
         self._observer = observer
         self._sent = sent  # a send returns the caller's tensor, not the contiguous copy it sent
-        self._taken = False  # a received tensor is marked as used on the taker's stream once
+        self._taken = False  # the request's tensor is taken (made ready for the taker's stream) once
         self.label = None
 
     def is_completed(self) -> bool:
@@ -101,12 +101,9 @@ class NativeHandle(Handle):
             observer, self._observer = self._observer, None
             observer(TransferEvent(self._op, self.peer, request.nbytes, request.seq, request.tag,
                                    request.start_ns, request.end_ns, self.label))
-        if self._op == "send":
-            return self._sent
-        tensor = request.tensor
-        if tensor.is_cuda and not self._taken:
-            # The CUDA IPC receiver allocated it from its copy stream's pool (cuda_ipc_transport.cpp): its
-            # memory must go back there only after the work the taker queues on its own stream has run.
+        if not self._taken:
+            # CUDA IPC: the taker's stream is ordered after the receiver's copy (cuda_ipc_transport.cpp), and a
+            # received tensor's memory is marked as used on that stream.
             self._taken = True
-            tensor.record_stream(torch.cuda.current_stream(tensor.device))
-        return tensor
+            request.take()
+        return self._sent if self._op == "send" else request.tensor

@@ -27,10 +27,11 @@ def copy_threads_for(slot_bytes: int, workload: int) -> int:
 
 class NodeTransport(Transport):
     """``native``: a ShmTransport or CudaIpcTransport of the extension; ``segment_bytes``: what one
-    channel takes of /dev/shm."""
+    channel takes of /dev/shm; ``channel_shape``: what the native transport's channels are made with after
+    (peer, segment name): (slots, slot bytes) for shared memory, (slots,) for CUDA IPC."""
 
     def __init__(self, native: Any, segment_bytes: int, rank: int, peers: Iterable[int], *, store: dist.Store | None,
-                 name: str, slots: int, slot_bytes: int, shm_limit_bytes: int | None,
+                 name: str, channel_shape: tuple[int, ...], shm_limit_bytes: int | None,
                  observer: TransferObserver | None, timeout: float):
         self.rank = rank
         self.peers = sorted(set(peers) - {rank})
@@ -44,7 +45,7 @@ class NodeTransport(Transport):
             # waits below (for a name, for the receiver to attach) cannot form a cycle.
             for peer in self.peers:
                 segment = segment_name(rank, peer)
-                native.create_send_channel(peer, segment, slots, slot_bytes)
+                native.create_send_channel(peer, segment, *channel_shape)
                 store.set(channel_key(name, rank, peer), segment)
             for peer in self.peers:
                 native.open_recv_channel(peer, store.get(channel_key(name, peer, rank)).decode())
@@ -69,14 +70,13 @@ def shared_memory(rank: int, peers: Iterable[int], *, slots: int, slot_bytes: in
     """The shared-memory transport (CPU tensors); ``options``: NodeTransport's keyword arguments."""
     shm = shm_module()
     native = shm.ShmTransport(workload, copy_threads_for(slot_bytes, workload))
-    return NodeTransport(native, shm.segment_bytes(slots, slot_bytes), rank, peers, slots=slots,
-                         slot_bytes=slot_bytes, **options)
+    return NodeTransport(native, shm.segment_bytes(slots, slot_bytes), rank, peers,
+                         channel_shape=(slots, slot_bytes), **options)
 
 
-def cuda_ipc(rank: int, peers: Iterable[int], *, device: int | None, slots: int, slot_bytes: int,
-             **options: Any) -> NodeTransport:
+def cuda_ipc(rank: int, peers: Iterable[int], *, device: int | None, slots: int, **options: Any) -> NodeTransport:
     """The CUDA IPC transport (GPU tensors); ``options``: NodeTransport's keyword arguments."""
     cuda = cuda_ipc_module()  # first: on a build without CUDA this is the one line to show
     device = torch.cuda.current_device() if device is None else torch.device("cuda", device).index
-    return NodeTransport(cuda.CudaIpcTransport(device), cuda.segment_bytes(slots), rank, peers, slots=slots,
-                         slot_bytes=slot_bytes, **options)
+    return NodeTransport(cuda.CudaIpcTransport(device), cuda.segment_bytes(slots), rank, peers,
+                         channel_shape=(slots,), **options)

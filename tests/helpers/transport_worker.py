@@ -143,7 +143,7 @@ def run_cuda_ipc(rank, world):
     device = rank % torch.cuda.device_count()
     torch.cuda.set_device(device)
     events = []
-    with cuda_ipc_transport(rank, peers, device=device, name="cuda", observer=events.append, **SMALL_RING) as transport:
+    with cuda_ipc_transport(rank, peers, device=device, name="cuda", observer=events.append, slots=4) as transport:
         exchange(transport, rank, peers, device=f"cuda:{device}")
     check_events(events, rank, peers)
     print(f"rank {rank}: CUDA IPC exchange on cuda:{device} matches", flush=True)
