@@ -124,12 +124,15 @@ def main():
                         help="bytes per bandwidth stream (at least 4 messages)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workload", type=parse_bytes, default=DEFAULT_WORKLOAD)
-    parser.add_argument("--slot-bytes", type=parse_bytes, default=DEFAULT_SLOT_BYTES,
-                        help="bytes per shared-memory ring slot (CUDA IPC has no ring of bytes: it copies from the "
-                             "sender's tensor)")
+    parser.add_argument("--slot-bytes", type=parse_bytes, default=None,
+                        help=f"bytes per shared-memory ring slot (default {DEFAULT_SLOT_BYTES >> 20} MiB; not with "
+                             "--device cuda: CUDA IPC copies straight from the sender's tensor)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cuda: the CUDA IPC transport (the two ranks may share one GPU) against gloo via host")
     args = parser.parse_args()
+    if args.device == "cuda" and args.slot_bytes is not None:
+        parser.error("--slot-bytes sizes the shared-memory ring; the CUDA IPC transport has no ring of bytes")
+    args.slot_bytes = args.slot_bytes or DEFAULT_SLOT_BYTES
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     if args.device == "cuda":
