@@ -4,6 +4,9 @@
               torch.distributed and the routed (--multi-node) transports; checks values, order,
               observer events, and equality with plain gloo send/recv of the same tensors
     cuda-ipc  the same exchange of GPU tensors over CUDA IPC (two processes may share one GPU)
+    cuda-ipc-race  CUDA IPC with the streams busy: rank 0 sends tensors still being computed and overwrites each
+              once its send completes, rank 1 checks what it takes only after slow work queued before the check:
+              any copy that overtakes the work it must follow shows as a wrong value
     sigkill   rank 1 kills itself (SIGKILL) with sends outstanding; the test then checks /dev/shm
     too-small the transport is given less /dev/shm than it needs (a cap, not a full /dev/shm)
 """
@@ -149,6 +152,31 @@ def run_cuda_ipc(rank, world):
     print(f"rank {rank}: CUDA IPC exchange on cuda:{device} matches", flush=True)
 
 
+def run_cuda_ipc_race(rank, rounds=200):
+    """Every message holds its round's number. Neither host waits for its GPU until the end, and both keep their
+    compute streams busy, so that a copy ordered wrongly against the compute stream (in either process) changes a
+    value instead of passing unseen."""
+    device = rank % torch.cuda.device_count()
+    torch.cuda.set_device(device)
+    busy = torch.randn(4096, 4096, device=f"cuda:{device}")  # a product takes a fraction of a millisecond
+    checks = []
+    with cuda_ipc_transport(rank, [1 - rank], device=device, name="race", slots=4) as transport:
+        for k in range(rounds):
+            if rank == 0:
+                message = busy @ busy  # still running when isend returns: the receiver's copy must wait for it
+                message.mul_(0).add_(k)
+                transport.isend(message, 1, tag=k % 3).wait(timeout=120)
+                message.fill_(-1.0)  # after the send completes: must not reach the receiver's copy
+            else:
+                got = transport.irecv(0, tag=k % 3).wait(timeout=120)
+                busy @ busy  # the check below runs after this; meanwhile `got` must not be received into again
+                checks.append((got == k).all())
+        torch.cuda.synchronize()
+    wrong = [k for k, right in enumerate(checks) if not right.item()]
+    assert not wrong, f"rank {rank}: rounds {wrong[:10]} received wrong values ({len(wrong)} of {rounds})"
+    print(f"rank {rank}: CUDA IPC under busy streams: {rounds} rounds right", flush=True)
+
+
 def run_sigkill(rank, out_dir):
     with open(os.path.join(out_dir, f"pid-{rank}"), "w") as f:
         f.write(str(os.getpid()))
@@ -172,7 +200,7 @@ def run_too_small(rank, world):
 @exit_on_user_error
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("scenario", choices=["exchange", "cuda-ipc", "sigkill", "too-small"])
+    parser.add_argument("scenario", choices=["exchange", "cuda-ipc", "cuda-ipc-race", "sigkill", "too-small"])
     parser.add_argument("--out-dir", default=".")
     args = parser.parse_args()
     dist.init_process_group("gloo")
@@ -181,6 +209,8 @@ def main():
         run_exchange(rank, world)
     elif args.scenario == "cuda-ipc":
         run_cuda_ipc(rank, world)
+    elif args.scenario == "cuda-ipc-race":
+        run_cuda_ipc_race(rank)
     elif args.scenario == "sigkill":
         run_sigkill(rank, args.out_dir)
     else:
