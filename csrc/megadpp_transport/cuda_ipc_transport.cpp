@@ -171,9 +171,10 @@ class CudaSendChannel : public Progress, public std::enable_shared_from_this<Cud
   }
 
   void stop() {
+    if (stopping_.exchange(true)) return;
+    futex_wake(&ring_.control->tail_word);  // a send waiting for a slot (holding mutex_) gives up
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      if (stopping_.exchange(true)) return;
       complete_consumed();
       for (auto& [index, request] : unconsumed_) request->complete("megadpp transport: closed before the send was received");
       unconsumed_.clear();
@@ -184,7 +185,6 @@ class CudaSendChannel : public Progress, public std::enable_shared_from_this<Cud
     }
     ring_.control->closed.store(1, std::memory_order_release);
     futex_wake(&ring_.control->head_word);
-    futex_wake(&ring_.control->tail_word);
   }
 
  private:
@@ -228,10 +228,12 @@ class CudaSendChannel : public Progress, public std::enable_shared_from_this<Cud
     release_copied();
   }
 
-  // Let go of the tensors whose receiver's copies have run; the caller holds mutex_.
+  // Let go of the tensors whose receiver's copies have run (or can no longer run: an error of the event means its
+  // process is gone); the caller holds mutex_.
   void release_copied() {
     uint64_t tail = ring_.control->tail.load(std::memory_order_acquire);
-    while (!held_.empty() && held_.front().index < tail && cudaEventQuery(freed_[held_.front().slot]) == cudaSuccess)
+    while (!held_.empty() && held_.front().index < tail &&
+           cudaEventQuery(freed_[held_.front().slot]) != cudaErrorNotReady)
       held_.pop_front();
   }
 
