@@ -58,7 +58,8 @@ def setup(argv, entry):
     return job
 
 
-def run_schedule(job, entry, spec, iterations, schedule_log=None):
+def run_schedule(job, entry, spec, iterations, schedule_log=None, before_iteration=None):
+    """``before_iteration(n)``: called before iteration n's clock starts (a competing load switched on or off)."""
     args = job.args
     gc.collect()  # the previous schedule's model and optimizer sit in reference cycles: not in this one's peak
     model, optimizer, scheduler = setup_model_and_optimizer(args, functools.partial(entry.model_provider, args))
@@ -87,6 +88,8 @@ def run_schedule(job, entry, spec, iterations, schedule_log=None):
         for iteration in range(1, iterations + 1):
             if schedule_log is not None:
                 schedule_log.iteration = iteration
+            if before_iteration is not None:
+                before_iteration(iteration)
             start = time.perf_counter()
             losses, grad_norm, _ = trainer.train_step(iterators[0])
             run.losses.append({name: float(value) for name, value in losses.items()})  # float(): waits for the GPU

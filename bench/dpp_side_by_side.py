@@ -6,14 +6,24 @@ With --predict the table adds the simulator's prediction for the same pipeline a
 (megadpp/prediction.py): its cost solved from the measured static time, or, with --prediction-slow-stage S
 and the forward time a healthy run printed (--prediction-forward-ms), the slow-down of stage S.
 
+A straggler that comes and goes: --load-gpu G --load-iterations A:B runs scripts/gpu_load.py (--load-duty) on this
+node's GPU G during iterations A to B-1 of every run, so that every schedule meets it at the same iterations. The
+table then gives each schedule's mean iteration (the loaded ones are not outliers here), and --predict solves the
+forward time from the static schedule's unloaded iterations and GPU G's slow-down from its loaded ones.
+
     torchrun --nproc_per_node 4 bench/dpp_side_by_side.py --entry pretrain_gpt --rounds 3 --iterations 6 \
         <pretrain_gpt.py flags with --pipeline-model-parallel-size 4 --use-dpp [--dpp-delay-stage 2 ...]>
 """
 
 import argparse
 import importlib
+import os
 import statistics
+import subprocess
+import sys
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from dpp_schedules import STATIC, parse_schedule, run_schedule, setup
 from megatron.core import parallel_state
@@ -21,7 +31,38 @@ from megatron.core.num_microbatches_calculator import get_num_microbatches
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.utils import get_model_config
 
-from megadpp.prediction import predict
+from megadpp.prediction import predict, predict_transient
+
+
+class TransientLoad:
+    """scripts/gpu_load.py on this node's GPU ``gpu`` during iterations [first, end) of every run, started by the
+    rank that trains on that GPU; every rank then waits for it, so that no iteration's clock holds its start-up."""
+
+    def __init__(self, gpu, duty, first, end):
+        self.gpu, self.duty, self.first, self.end = gpu, duty, first, end
+        self.mine = int(os.environ.get("LOCAL_RANK", "0")) == gpu
+        self.process = None
+
+    def loaded(self, iteration):
+        return self.first <= iteration < self.end
+
+    def before_iteration(self, iteration):
+        if self.mine and iteration == self.first:
+            script = Path(__file__).resolve().parents[1] / "scripts/gpu_load.py"
+            self.process = subprocess.Popen([sys.executable, str(script), "--gpu", str(self.gpu), "--duty",
+                                             str(self.duty)], stdout=subprocess.PIPE, text=True)
+            if not self.process.stdout.readline().startswith("gpu_load: "):  # its first line: the GEMMs run
+                raise RuntimeError(f"scripts/gpu_load.py did not start (exit {self.process.wait()})")
+        if iteration == self.end:
+            self.stop()
+        if iteration in (self.first, self.end):
+            dist.barrier()
+
+    def stop(self):
+        if self.process is not None:
+            self.process.terminate()
+            self.process.wait()
+            self.process = None
 
 
 def main():
@@ -33,26 +74,72 @@ def main():
     parser.add_argument("--predict", action="store_true", help="print the simulator's prediction beside each")
     parser.add_argument("--prediction-forward-ms", type=float, default=None)
     parser.add_argument("--prediction-slow-stage", type=int, default=None)
+    parser.add_argument("--load-gpu", type=int, default=None, help="this node's GPU that a competing job slows")
+    parser.add_argument("--load-duty", type=float, default=0.5)
+    parser.add_argument("--load-iterations", default=None, help="A:B, the load on during iterations A to B-1")
     ours, megatron_argv = parser.parse_known_args()
     specs = ours.schedules.split(",")
     if ours.predict and STATIC not in specs:
         parser.error("--predict needs the static schedule among --schedules (the prediction is solved from it)")
     if (ours.prediction_slow_stage is None) != (ours.prediction_forward_ms is None):
         parser.error("--prediction-slow-stage and --prediction-forward-ms go together (the healthy run's forward)")
+    load = None
+    if (ours.load_gpu is None) != (ours.load_iterations is None):
+        parser.error("--load-gpu and --load-iterations go together")
+    if ours.load_gpu is not None:
+        if not torch.cuda.is_available():
+            parser.error("--load-gpu slows a GPU with scripts/gpu_load.py: run it on GPUs")
+        first, _, end = ours.load_iterations.partition(":")
+        if not (first.isdigit() and end.isdigit() and 2 <= int(first) < int(end) <= ours.iterations + 1):
+            parser.error(f"--load-iterations {ours.load_iterations}: want A:B with 2 <= A < B <= --iterations + 1 "
+                         "(the first iteration of a run is left out of the times)")
+        load = TransientLoad(ours.load_gpu, ours.load_duty, int(first), int(end))
     entry = importlib.import_module(ours.entry)
     job = setup(megatron_argv, entry)
-    seconds = {spec: [] for spec in specs}
+    seconds = {spec: [] for spec in specs}  # (iteration, seconds) of every run, its first iteration left out
     peaks = dict.fromkeys(specs, 0)  # this rank's peak GPU memory under each schedule (0 on CPU)
     for _ in range(ours.rounds):
         for spec in specs:
-            run = run_schedule(job, entry, spec, ours.iterations)
-            seconds[spec] += run.seconds[1:]
+            try:
+                run = run_schedule(job, entry, spec, ours.iterations,
+                                   before_iteration=load.before_iteration if load else None)
+            finally:
+                if load is not None:
+                    load.stop()
+            seconds[spec] += list(enumerate(run.seconds, start=1))[1:]
             peaks[spec] = max(peaks[spec], run.peak_memory_bytes)
     stage_peaks = per_stage_peaks(peaks, job.args.pipeline_model_parallel_size)
+    slow_stage = loaded_stage(ours.load_gpu) if load else None
     if dist.get_rank() == 0:
-        medians = {spec: statistics.median(values) * 1000 for spec, values in seconds.items()}
-        print_table(medians, stage_peaks, prediction(ours, job, medians) if ours.predict else None)
+        statistic = statistics.mean if load else statistics.median
+        times = {spec: statistic([s for _, s in values]) * 1000 for spec, values in seconds.items()}
+        found = None
+        if ours.predict:
+            found = (transient_prediction(job, seconds[STATIC], load, slow_stage) if load
+                     else prediction(ours, job, times))
+        print_table(times, "mean" if load else "median", stage_peaks, found)
     dist.barrier()
+
+
+def loaded_stage(gpu):
+    """The pipeline stage of the rank that trains on GPU ``gpu`` (DPP on GPUs runs within one node)."""
+    mine = (int(os.environ.get("LOCAL_RANK", "0")), parallel_state.get_pipeline_model_parallel_rank())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return next(stage for local, stage in everyone if local == gpu)
+
+
+def transient_prediction(job, static_seconds, load, slow_stage):
+    args, config = job.args, get_model_config(job.trainer.model[0])
+    stage_layers = [get_num_layers_to_build(config, pp_rank=r) for r in range(args.pipeline_model_parallel_size)]
+    loaded = [s for iteration, s in static_seconds if load.loaded(iteration)]
+    healthy = [s for iteration, s in static_seconds if not load.loaded(iteration)]
+    found = predict_transient(stage_layers, args.virtual_pipeline_model_parallel_size or 1, get_num_microbatches(),
+                              statistics.median(healthy) * 1000, statistics.median(loaded) * 1000,
+                              len(loaded) / len(static_seconds), slow_stage)
+    print(f"simulator: forward_ms={found.forward_ms:.3f}; stage {slow_stage} loaded: "
+          f"x{found.stage_scale[slow_stage]:.2f} during {len(loaded)} of {len(static_seconds)} iterations")
+    return found
 
 
 def prediction(ours, job, medians):
@@ -68,12 +155,12 @@ def prediction(ours, job, medians):
     return found
 
 
-def print_table(medians, stage_peaks, found):
-    reference = medians.get(STATIC)
+def print_table(times, statistic, stage_peaks, found):
+    reference = times.get(STATIC)
     predicted = "| simulator (ms), vs static " if found else ""
-    print(f"| schedule | median iteration (ms) | vs static | peak memory per pipeline stage (GiB) {predicted}|")
+    print(f"| schedule | {statistic} iteration (ms) | vs static | peak memory per pipeline stage (GiB) {predicted}|")
     print("|---|---|---|---|" + ("---|" if found else ""))
-    for spec, median in medians.items():
+    for spec, median in times.items():
         ratio = f"{median / reference:.2f}x" if reference else "n/a"
         memory = " / ".join(f"{b / 2**30:.1f}" for b in stage_peaks[spec])
         cell = ""

@@ -14,8 +14,9 @@
 #                       its traces
 #   speed               GPT 1.3B bf16 side by side (bench/dpp_side_by_side.py --predict: the simulator's prediction
 #                       beside each): PP4 (1F1B vs DPP) healthy, with a slow link, with uneven stages (9/6/6/6
-#                       layers) and with GPU 2 under load; PP2 with a virtual pipeline on GPUs 0,1 and 2,3
-#                       (interleaved 1F1B vs DPP), healthy and with a slow link
+#                       layers), with GPU 2 under load and with GPU 2 loaded for iterations 3-4 of each run only;
+#                       PP2 with a virtual pipeline on GPUs 0,1 and 2,3 (interleaved 1F1B vs DPP), healthy, with a
+#                       slow link and with GPU 1 loaded for iterations 3-4
 # Stress, fallback and stall: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual
 # pipeline), 8 microbatches.
 # Needs megatron-core importable and the transport built in place (python3 setup.py build_ext --inplace).
@@ -140,11 +141,13 @@ phase_speed() {
         sleep 3
         side pp4_gpu2_loaded 0,1,2,3 29500 "${pp4[@]}" --prediction-forward-ms "${forward:-1}" --prediction-slow-stage 2
         kill "$load"; wait "$load"
+        side pp4_gpu2_transient 0,1,2,3 29500 "${pp4[@]}" --load-gpu 2 --load-iterations 3:5
     }
     speed_vp() {
         side vp_healthy 0,1 29501 "${vp[@]}" &
         side vp_link 2,3 29502 "${vp[@]}" --dpp-delay-link 0 "${delay[@]}" &
         wait
+        side vp_gpu1_transient 0,1 29501 "${vp[@]}" --load-gpu 1 --load-iterations 3:5
     }
     for part in ${SPEED_PARTS:-pp4 vp}; do "speed_$part"; done
 }

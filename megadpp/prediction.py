@@ -8,6 +8,11 @@ each stage set their relative costs) or, given that forward time from a healthy 
 (``forward_ms``), the slow-down of one stage (``slow_stage``: a GPU that shares its time with another job).
 The simulator's makespan covers the pipeline alone; the optimizer step and the gradient synchronisation are
 folded into the solved cost, which makes the predicted ratio a little closer to 1 than the pipeline's own.
+
+A straggler that comes and goes (a competing job on one GPU for some iterations: ``predict_transient``) is the
+two cases in turn: the forward time solved from the static schedule's unloaded iterations, the stage's slow-down
+from its loaded ones, and each schedule's prediction the mean of its healthy and slowed makespans, weighted by the
+share of loaded iterations.
 """
 
 import statistics
@@ -78,3 +83,19 @@ def predict(stage_layers, chunks, microbatches, static_ms, link_delay=None, forw
     busiest = microbatches * forward_ms * (1 + CostModel().backward_ratio) * max(scale)
     return Prediction(forward_ms, scale, pipeline.makespan(forward_ms, scale),
                       {policy: pipeline.makespan(forward_ms, scale, policy) for policy in POLICIES}, busiest)
+
+
+def predict_transient(stage_layers, chunks, microbatches, healthy_static_ms, loaded_static_ms, loaded_share,
+                      slow_stage):
+    """The static schedule's mean iteration over its unloaded (``healthy_static_ms``) and loaded
+    (``loaded_static_ms``) iterations, ``loaded_share`` of them loaded, with the load on ``slow_stage``'s GPU."""
+    healthy = predict(stage_layers, chunks, microbatches, healthy_static_ms)
+    loaded = predict(stage_layers, chunks, microbatches, loaded_static_ms, forward_ms=healthy.forward_ms,
+                     slow_stage=slow_stage)
+
+    def mean(of_healthy, of_loaded):
+        return (1 - loaded_share) * of_healthy + loaded_share * of_loaded
+
+    return Prediction(healthy.forward_ms, loaded.stage_scale, mean(healthy.static_ms, loaded.static_ms),
+                      {policy: mean(healthy.dpp_ms[policy], loaded.dpp_ms[policy]) for policy in POLICIES},
+                      mean(healthy.bound_ms, loaded.bound_ms))

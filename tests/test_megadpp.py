@@ -16,7 +16,7 @@ from torch.distributed.pipelining.schedules import _Action, _validate_schedule
 from megadpp.actions import StageLayout
 from megadpp.iteration_model import CostModel
 from megadpp.policy import POLICIES
-from megadpp.prediction import predict
+from megadpp.prediction import predict, predict_transient
 from megadpp.runtime import default_caps
 from megadpp.simulator import simulate
 from megadpp.static_orders import static_order
@@ -87,6 +87,19 @@ def test_prediction_matches_the_measured_static_time_and_models_the_job():
     loaded = predict(even, 1, 16, static_ms=700.0, forward_ms=healthy.forward_ms, slow_stage=2)
     assert loaded.forward_ms == healthy.forward_ms and loaded.stage_scale[2] > 1.2
     assert loaded.stage_scale[:2] == (1, 1) and loaded.static_ms == pytest.approx(700.0, rel=1e-3)
+
+
+def test_transient_prediction_weighs_the_loaded_iterations():
+    """A GPU loaded for a quarter of the iterations: the healthy and the loaded static times give the forward time
+    and the slow-down, and every prediction is the quarter-weighted mean of the two cases'."""
+    even = [4, 4, 4, 4]
+    healthy = predict(even, 1, 16, 500.0)
+    loaded = predict(even, 1, 16, 700.0, forward_ms=healthy.forward_ms, slow_stage=1)
+    transient = predict_transient(even, 1, 16, 500.0, 700.0, 0.25, slow_stage=1)
+    assert transient.static_ms == pytest.approx(0.75 * 500.0 + 0.25 * 700.0, rel=1e-3)
+    assert transient.stage_scale == loaded.stage_scale and transient.stage_scale[1] > 1.2
+    for policy, ms in transient.dpp_ms.items():
+        assert ms == pytest.approx(0.75 * healthy.dpp_ms[policy] + 0.25 * loaded.dpp_ms[policy])
 
 
 def test_fault_injection_draws_agree_across_processes():
