@@ -19,12 +19,10 @@ import argparse
 import importlib
 import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from competing_load import start_gpu_load
 from dpp_schedules import STATIC, parse_schedule, run_schedule, setup
 from megatron.core import parallel_state
 from megatron.core.num_microbatches_calculator import get_num_microbatches
@@ -48,11 +46,7 @@ class TransientLoad:
 
     def before_iteration(self, iteration):
         if self.mine and iteration == self.first:
-            script = Path(__file__).resolve().parents[1] / "scripts/gpu_load.py"
-            self.process = subprocess.Popen([sys.executable, str(script), "--gpu", str(self.gpu), "--duty",
-                                             str(self.duty)], stdout=subprocess.PIPE, text=True)
-            if not self.process.stdout.readline().startswith("gpu_load: "):  # its first line: the GEMMs run
-                raise RuntimeError(f"scripts/gpu_load.py did not start (exit {self.process.wait()})")
+            self.process = start_gpu_load(self.gpu, self.duty)
         if iteration == self.end:
             self.stop()
         if iteration in (self.first, self.end):

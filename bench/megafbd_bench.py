@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import psutil
+from competing_load import start_gpu_load
 
 REPO = Path(__file__).resolve().parents[1]
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
@@ -128,17 +129,6 @@ def describe_ranks(nproc, flags, peaks, log):
     return rows
 
 
-def _competing_load(duty):
-    """scripts/gpu_load.py on GPU 0 until the returned process is terminated (None: no load)."""
-    if not duty:
-        return None
-    load = subprocess.Popen([sys.executable, str(REPO / "scripts/gpu_load.py"), "--gpu", "0", "--duty", str(duty)],
-                            cwd=REPO, stdout=subprocess.PIPE, text=True)
-    if not load.stdout.readline().startswith("gpu_load: "):  # its first line: the GEMMs have started
-        sys.exit(f"megafbd_bench: scripts/gpu_load.py did not start (exit {load.wait()})")
-    return load
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -164,7 +154,7 @@ def main():
     print(f"model: {' '.join(model)}; {args.iterations} iterations; median ms/iteration after the 2nd{load}")
     print("| round | case | processes | ms / iteration | per process: peak host RSS MB (GPU MB) |")
     print("|---|---|---|---|---|")
-    competing = _competing_load(args.load_duty)
+    competing = start_gpu_load(0, args.load_duty) if args.load_duty else None
     try:
         for round_ in range(1, args.rounds + 1):
             for name, (nproc, flags) in chosen.items():

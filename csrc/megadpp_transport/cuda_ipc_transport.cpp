@@ -248,11 +248,9 @@ class CudaSendChannel : public Progress, public std::enable_shared_from_this<Cud
   uint64_t next_seq_ = 0;
 };
 
-class CudaRecvChannel : public Progress, public std::enable_shared_from_this<CudaRecvChannel> {
+class CudaRecvChannel : public DrainingReceiver {
  public:
-  CudaRecvChannel(const std::string& name, int device) : device_(device) {
-    segment_.open(name);
-    ring_.bind(segment_.base());
+  CudaRecvChannel(const std::string& name, int device) : DrainingReceiver(name), device_(device) {
     check(ring_.control->magic == kMagic && ring_.control->version == kVersion &&
               ring_.control->slot_bytes == sizeof(IpcSource),
           "megadpp transport: /dev/shm", name, " is not a CUDA IPC channel of this version");
@@ -266,8 +264,7 @@ class CudaRecvChannel : public Progress, public std::enable_shared_from_this<Cud
       freed_.push_back(new_event(true));
       MEGADPP_CUDA(cudaIpcGetEventHandle(&setup->freed[s], freed_[s]));
     }
-    ring_.control->attached.store(1, std::memory_order_release);  // after the freed handles are written
-    futex_wake(&ring_.control->attached);
+    attach();  // after the freed handles are written
   }
   ~CudaRecvChannel() override {
     stop();
@@ -279,84 +276,28 @@ class CudaRecvChannel : public Progress, public std::enable_shared_from_this<Cud
     if (stream_) cudaStreamDestroy(stream_);
   }
 
-  void start() { thread_ = std::thread([this] { run(); }); }
-
-  RequestPtr post(int64_t tag) {
-    RequestPtr request = matcher_.post(tag);
-    request->progress = weak_from_this();
-    return request;
-  }
-
-  void poll() override {
-    if (stopping_.load()) return;
-    std::unique_lock<std::mutex> drain(drain_mutex_, std::try_to_lock);
-    if (drain.owns_lock()) drain_published();
-  }
-
-  bool wait(Request& request, double timeout_s) override {
-    int64_t deadline = timeout_s < 0 ? INT64_MAX : monotonic_ns() + int64_t(timeout_s * 1e9);
-    auto wake = [&] { return request.is_completed() || (published() && !draining_.load()); };
-    while (!request.is_completed()) {
-      poll();
-      if (request.is_completed()) break;
-      if (!wait_for(&ring_.control->head_word, wake, [&] { return stopping_.load() || monotonic_ns() > deadline; }))
-        return stopping_.load() ? request.wait(1.0) : request.is_completed();  // stop() fails what it leaves
-    }
-    return true;
-  }
-
-  void stop() {
-    if (stopping_.exchange(true)) return;
-    futex_wake(&ring_.control->head_word);
-    if (thread_.joinable()) thread_.join();
-    std::lock_guard<std::mutex> drain(drain_mutex_);
-    matcher_.fail_posted("megadpp transport: closed before the message arrived");
-  }
-
  private:
-  bool published() const {
-    return ring_.control->head.load(std::memory_order_acquire) > ring_.control->tail.load(std::memory_order_relaxed);
-  }
-
-  void run() {
-    auto stop = [&] { return stopping_.load() || ring_.control->closed.load(std::memory_order_acquire) != 0; };
-    while (wait_for(&ring_.control->head_word, [&] { return published(); }, stop)) {
-      std::lock_guard<std::mutex> drain(drain_mutex_);
-      drain_published();
-    }
-  }
-
-  // Queue the copy of every published message; the caller holds drain_mutex_.
-  void drain_published() {
-    draining_.store(true);
-    bool completed = false;
+  // Queue the copy of the message at `index`: each message takes one slot.
+  bool take_slot(uint64_t index) override {
     c10::cuda::CUDAGuard device(device_);
     // Received tensors come from the copy stream's pool (see the top of this file).
     c10::cuda::CUDAStreamGuard allocate_on_copy_stream(c10::cuda::getStreamFromExternal(stream_, device_));
-    while (published()) {
-      uint64_t index = ring_.control->tail.load(std::memory_order_relaxed);
-      const SlotHeader* h = ring_.header(index);
-      RequestPtr request = matcher_.arrive(h->tag);
-      request->seq = h->seq;
-      request->nbytes = h->total_bytes;
-      std::string error;
-      try {
-        request->tensor = at::empty(shape_of(h), at::TensorOptions()
-                                                     .dtype(static_cast<at::ScalarType>(h->dtype))
-                                                     .device(at::kCUDA, device_));
-        copy(*request, *reinterpret_cast<const IpcSource*>(ring_.data(index)), h->slot_of_payload);
-      } catch (const std::exception& failure) {
-        error = failure.what();
-      }
-      ring_.consume();  // the header may be overwritten from here on
-      request->complete(error);
-      completed = true;
+    const SlotHeader* h = ring_.header(index);
+    RequestPtr request = matcher_.arrive(h->tag);
+    request->seq = h->seq;
+    request->nbytes = h->total_bytes;
+    std::string error;
+    try {
+      request->tensor = at::empty(shape_of(h), at::TensorOptions()
+                                                   .dtype(static_cast<at::ScalarType>(h->dtype))
+                                                   .device(at::kCUDA, device_));
+      copy(*request, *reinterpret_cast<const IpcSource*>(ring_.data(index)), h->slot_of_payload);
+    } catch (const std::exception& failure) {
+      error = failure.what();
     }
-    draining_.store(false);
-    if (completed) {  // a caller sleeping on the ring for a message just completed here: wake it
-      ring_.control->head_word.fetch_add(1, std::memory_order_release);
-      futex_wake(&ring_.control->head_word);
-    }
+    ring_.consume();  // the header may be overwritten from here on
+    request->complete(error);
+    return true;
   }
 
   // After ready[slot], copy the sender's bytes into the request's tensor on the copy stream; then free the slot.
@@ -397,17 +338,10 @@ class CudaRecvChannel : public Progress, public std::enable_shared_from_this<Cud
     return static_cast<const char*>(found->second.second.get());
   }
 
-  Segment segment_;
-  Ring ring_;
   int device_;
   cudaStream_t stream_ = nullptr;
   std::vector<cudaEvent_t> ready_, freed_;
   std::map<uint64_t, std::pair<std::string, std::shared_ptr<void>>> segments_;  // by the sender's address
-  TagMatcher matcher_;
-  std::mutex drain_mutex_;
-  std::atomic<bool> draining_{false};
-  std::thread thread_;
-  std::atomic<bool> stopping_{false};
 };
 
 class CudaIpcTransport {

@@ -202,21 +202,12 @@ class TagMatcher {
   std::map<int64_t, std::deque<RequestPtr>> posted_, arrived_;
 };
 
-// The receiver's end: maps the sender's segment and drains the ring eagerly into fresh tensors, so a
-// sender never waits on the receiver's program order, only on the ring's capacity. Whoever gets there
-// first drains: the channel thread, or a caller that polls or waits.
-class RecvChannel : public Progress, public std::enable_shared_from_this<RecvChannel> {
+// The receiving end of a ring, whatever a slot carries: it maps the sender's segment and drains the ring eagerly,
+// so a sender never waits on the receiver's program order, only on the ring's capacity. Whoever gets there first
+// drains: the channel thread, or a caller that polls or waits. A kind says what one slot means (take_slot); its
+// destructor calls stop() first, since the channel thread calls into it.
+class DrainingReceiver : public Progress, public std::enable_shared_from_this<DrainingReceiver> {
  public:
-  RecvChannel(const std::string& name, CopyPool* pool) : pool_(pool) {
-    segment_.open(name);
-    ring_.bind(segment_.base());
-    check(ring_.control->magic == kMagic && ring_.control->version == kVersion,
-          "megadpp transport: /dev/shm", name, " is not a channel of this version");
-    ring_.control->attached.store(1, std::memory_order_release);
-    futex_wake(&ring_.control->attached);
-  }
-  ~RecvChannel() override { stop(); }
-
   void start() { thread_ = std::thread([this] { run(); }); }
 
   RequestPtr post(int64_t tag) {
@@ -233,7 +224,7 @@ class RecvChannel : public Progress, public std::enable_shared_from_this<RecvCha
 
   bool wait(Request& request, double timeout_s) override {
     int64_t deadline = timeout_s < 0 ? INT64_MAX : monotonic_ns() + int64_t(timeout_s * 1e9);
-    // Wake for a chunk nobody drains yet, or for a message the channel thread completed.
+    // Wake for a slot nobody drains yet, or for a message the channel thread completed.
     auto wake = [&] { return request.is_completed() || (published() && !draining_.load()); };
     while (!request.is_completed()) {
       poll();
@@ -249,9 +240,31 @@ class RecvChannel : public Progress, public std::enable_shared_from_this<RecvCha
     futex_wake(&ring_.control->head_word);
     if (thread_.joinable()) thread_.join();
     std::lock_guard<std::mutex> drain(drain_mutex_);
-    if (current_) current_->complete("megadpp transport: closed in the middle of a receive");
+    on_stop();
     matcher_.fail_posted("megadpp transport: closed before the message arrived");
   }
+
+ protected:
+  explicit DrainingReceiver(const std::string& name) {
+    segment_.open(name);
+    ring_.bind(segment_.base());
+  }
+
+  // Tell the sender that this end has its segment (and whatever the kind wrote into its setup area).
+  void attach() {
+    ring_.control->attached.store(1, std::memory_order_release);
+    futex_wake(&ring_.control->attached);
+  }
+
+  // Handle the slot at `index`, the ring's tail, and consume it; returns whether a message completed. Called with
+  // the drain lock held.
+  virtual bool take_slot(uint64_t index) = 0;
+  // After the channel thread has stopped, with the drain lock held: fail what the kind has half received.
+  virtual void on_stop() {}
+
+  Segment segment_;
+  Ring ring_;
+  TagMatcher matcher_;
 
  private:
   bool published() const {
@@ -266,28 +279,10 @@ class RecvChannel : public Progress, public std::enable_shared_from_this<RecvCha
     }
   }
 
-  // Copy out every published chunk; the caller holds drain_mutex_.
   void drain_published() {
     draining_.store(true);
     bool completed = false;
-    while (published()) {
-      uint64_t index = ring_.control->tail.load(std::memory_order_relaxed);
-      const SlotHeader* h = ring_.header(index);
-      if (h->offset == 0) {
-        current_ = matcher_.arrive(h->tag);
-        current_->tensor = at::empty(shape_of(h), at::TensorOptions().dtype(static_cast<at::ScalarType>(h->dtype)));
-        current_->seq = h->seq;
-        current_->nbytes = h->total_bytes;
-      }
-      pool_->copy(static_cast<char*>(current_->tensor.data_ptr()) + h->offset, ring_.data(index), h->chunk_bytes);
-      bool last = h->offset + h->chunk_bytes >= h->total_bytes;
-      ring_.consume();  // the header may be overwritten from here on
-      if (last) {
-        current_->complete();
-        current_.reset();
-        completed = true;
-      }
-    }
+    while (published()) completed |= take_slot(ring_.control->tail.load(std::memory_order_relaxed));
     draining_.store(false);
     if (completed) {  // a caller sleeping on the ring for a message just completed here: wake it
       ring_.control->head_word.fetch_add(1, std::memory_order_release);
@@ -295,15 +290,46 @@ class RecvChannel : public Progress, public std::enable_shared_from_this<RecvCha
     }
   }
 
-  Segment segment_;
-  Ring ring_;
-  CopyPool* pool_;
-  TagMatcher matcher_;
-  RequestPtr current_;
   std::mutex drain_mutex_;
   std::atomic<bool> draining_{false};
   std::thread thread_;
   std::atomic<bool> stopping_{false};
+};
+
+// The shared-memory receiver: copies each chunk out of the ring into the message's fresh CPU tensor.
+class RecvChannel : public DrainingReceiver {
+ public:
+  RecvChannel(const std::string& name, CopyPool* pool) : DrainingReceiver(name), pool_(pool) {
+    check(ring_.control->magic == kMagic && ring_.control->version == kVersion,
+          "megadpp transport: /dev/shm", name, " is not a channel of this version");
+    attach();
+  }
+  ~RecvChannel() override { stop(); }
+
+ private:
+  bool take_slot(uint64_t index) override {
+    const SlotHeader* h = ring_.header(index);
+    if (h->offset == 0) {
+      current_ = matcher_.arrive(h->tag);
+      current_->tensor = at::empty(shape_of(h), at::TensorOptions().dtype(static_cast<at::ScalarType>(h->dtype)));
+      current_->seq = h->seq;
+      current_->nbytes = h->total_bytes;
+    }
+    pool_->copy(static_cast<char*>(current_->tensor.data_ptr()) + h->offset, ring_.data(index), h->chunk_bytes);
+    bool last = h->offset + h->chunk_bytes >= h->total_bytes;
+    ring_.consume();  // the header may be overwritten from here on
+    if (!last) return false;
+    current_->complete();
+    current_.reset();
+    return true;
+  }
+
+  void on_stop() override {
+    if (current_) current_->complete("megadpp transport: closed in the middle of a receive");
+  }
+
+  CopyPool* pool_;
+  RequestPtr current_;  // the message whose chunks are being copied
 };
 
 }  // namespace megadpp
