@@ -6,7 +6,7 @@
 1. A loaded GPU's rank is named first, as a slow rank, in every window after the load began: by the verdict of
    the window judged alone offline (``tools/aggregate.py --per-window``) and by the online alert
    (``--trace-detect``). A healthy run names nobody: no alert, no suspect in any window nor over the run.
-2. The delay named for it over those windows ("it made the N traced iterations X ms longer") is within 25 % of
+2. The delay named for it over those windows (its ``delay_us``, the "delay it caused" line) is within 25 % of
    what the job lost in them: (loaded - healthy ms per iteration) x their iterations, where "healthy" is the
    median of the same job's healthy runs in DIR, else the run's own iterations before the load began.
 3. The online alert and the offline verdict agree on every window.
@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ from pathlib import Path
 from detection_case import CaseError, DetectionCase, read_case
 
 COST_TOLERANCE = 0.25
-NAMED_DELAY = re.compile(r"traced iterations ([\d.]+) ms longer")
 COLUMNS = ("case", "job", "load", "healthy ms/iteration", "loaded ms/iteration", "online alerts",
            "offline per-window verdicts", "whole run", "online = offline", "named vs lost", "verdict")
 CAPTION = ("Online alerts and offline per-window verdicts: of a loaded case, the windows after the iteration the "
@@ -84,9 +82,8 @@ def windows_text(named: list[tuple[int, Named]]) -> str:
 def named_delay_ms(window: Window, rank: int) -> float:
     """The delay the window's offline report names for ``rank`` as a slow rank (0 where it names none)."""
     for suspect in window.suspects:
-        if suspect["rank"] == rank and suspect["kind"] == "slow_rank" and suspect["evidence"]:
-            found = NAMED_DELAY.search(suspect["evidence"][0])
-            return float(found.group(1)) if found else 0.0
+        if suspect["rank"] == rank and suspect["kind"] == "slow_rank":
+            return suspect["delay_us"] / 1e3
     return 0.0
 
 

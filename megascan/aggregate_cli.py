@@ -21,6 +21,7 @@ from megascan.aggregate.merged_trace import MergedTrace, load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
 from megascan.detection import detect
+from megascan.detection.window_findings import with_window_findings
 from megascan.detection.window_verdicts import judge_windows, verdicts_text
 from megatron.training.atomic_file import replaced_on_success
 from megatron.training.garbage_collection import cycle_collection_paused
@@ -50,8 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="find the slow GPU, slow link or hung rank and print the report")
     parser.add_argument("--report-json", metavar="PATH", help="also write the detection report as JSON (implies -d)")
     parser.add_argument("--per-window", action="store_true",
-                        help="also judge each trace window alone, as --trace-detect does during the run: names a "
-                        "fault that began late, which the whole run's verdict dilutes (implies -d)")
+                        help="also print the verdict of each trace window judged alone, as --trace-detect judges them "
+                        "during the run (-d takes their findings into the run's report anyway; implies -d)")
     parser.add_argument("--flight-recorder", metavar="PREFIX",
                         help="also read NCCL's flight-recorder dumps PREFIX<rank> (TORCH_NCCL_DEBUG_INFO_TEMP_FILE; "
                         "implies -d); MegaScan's own dumps in DIR are read with -d anyway")
@@ -207,14 +208,17 @@ def run(args: argparse.Namespace) -> int:
     detecting = args.detect or args.report_json or args.flight_recorder or args.per_window
     report = detect(merged) if detecting else None
     second_witness = _flight_recorder(args, merged) if detecting else None
-    windows = judge_windows(merged) if args.per_window else None
+    several_windows = len({window for trace in merged.ranks.values() for window in trace.windows}) > 1
+    windows = judge_windows(merged) if detecting and several_windows else None
+    if windows is not None:
+        report = with_window_findings(report, windows)
     if args.report_json:
         _write("--report-json", args.report_json, _write_report, report, second_witness, windows)
         outputs.append(("detection report JSON", args.report_json))
     print(summary(merged, outputs, time.perf_counter() - started))
     if report is not None:
         print(report.to_text())
-    if windows is not None:
+    if windows is not None and args.per_window:
         print(verdicts_text(windows))
     if second_witness is not None:
         print(second_witness.to_text([suspect.rank for suspect in report.suspects if suspect.kind == "hang"]))

@@ -25,6 +25,7 @@ from megascan.aggregate.loading import RankFile, TraceDirectory, compacted
 from megascan.aggregate.merged_trace import merge
 from megascan.aggregate.trace_records import ComputeEvent
 from megascan.detection import detect
+from megascan.detection.clean_pace import CleanPace
 from megascan.detection.compute import LAYER_EVENTS, operation_totals, tp_waits_known
 
 ALERT_PREFIX = "MegaScan alert:"
@@ -109,7 +110,8 @@ class OnlineDetection:
         self.stop_on_alert = args.trace_detect_exit
         self.rank = dist.get_rank()
         self.group = dist.new_group(backend="gloo")  # every rank calls this, in TraceSession's construction
-        self.hook = load_hook(args.trace_detect_hook) if args.trace_detect_hook and self.rank == 0 else None
+        self.judge = WindowJudge(load_hook(args.trace_detect_hook) if args.trace_detect_hook else None) \
+            if self.rank == 0 else None
         self.summaries = queue.Queue()
 
     def summarize(self, window, to_us):
@@ -141,15 +143,24 @@ class OnlineDetection:
         dist.gather_object(summary, gathered, dst=0, group=self.group)
         verdict = [None]
         if self.rank == 0:
-            line = self._judge(gathered)
+            line = self.judge.window(gathered)
             verdict = [line if self.stop_on_alert else None]
         if self.stop_on_alert:
             dist.broadcast_object_list(verdict, src=0, group=self.group)
         return verdict[0]
 
-    def _judge(self, gathered):
-        """Rank 0: judge the window, print and hand on the alert; the alert line or None. Never raises: a
-        window that cannot be judged is said in one line and training goes on."""
+
+class WindowJudge:
+    """Rank 0's side: each window judged as it closes, in order, a slow rank's cost measured against the job's pace
+    in the last window that named nobody (detection/clean_pace.py), as tools/aggregate.py measures it."""
+
+    def __init__(self, hook=None):
+        self.hook = hook
+        self.pace = CleanPace()
+
+    def window(self, gathered):
+        """Judge the window of every rank's summary, print and hand on the alert; the alert line or None. Never
+        raises: a window that cannot be judged is said in one line and training goes on."""
         failed = [summary["error"] for summary in gathered if "error" in summary]
         if failed:
             print(f"MegaScan: --trace-detect skipped a window: {failed[0]}", file=sys.stderr, flush=True)
@@ -158,6 +169,7 @@ class OnlineDetection:
         started = time.perf_counter()
         try:
             report = judge(gathered)
+            self.pace.account(report, window, iterations)
         except Exception as error:  # noqa: BLE001 - a window that cannot be judged must not stop training
             print(f"MegaScan: --trace-detect could not judge window {window}: {type(error).__name__}: {error}",
                   file=sys.stderr, flush=True)

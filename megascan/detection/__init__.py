@@ -60,4 +60,5 @@ def detect(merged: MergedTrace, compute_totals: dict[int, OperationTotals] | Non
     victims = find_victims(merged, waited_for(timelines), {suspect.rank for suspect in suspects}, attribution.path_us)
     return Report(suspects, victims, link_stats(merged, attribution), alignment, unjudged_ranks(merged),
                   blocked_entries(merged, blocked),
-                  [entry for entry in host_bound if entry.rank not in hung_ranks])
+                  [entry for entry in host_bound if entry.rank not in hung_ranks], attribution.path_us,
+                  attribution.iterations)

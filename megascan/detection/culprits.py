@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from megascan.aggregate.merged_trace import MergedTrace
 from megascan.detection.delay_attribution import DelayAttribution
-from megascan.detection.report import Suspect
+from megascan.detection.report import DELAY_PREFIX, Suspect
 from megascan.detection.waits import GroupWaits
 
 # Own compute this many times what its peers take for the same work. Healthy GPUs of one model agree
@@ -55,12 +55,17 @@ def _waits_caused(rank, groups):
                                                               if len(caused) > TOP_GROUPS else "")
 
 
+def _added_us(attribution, delay):
+    """What its own work on the critical paths made the iterations longer (never all of them)."""
+    return min(max(delay.charged_us, 0.0), 0.99 * attribution.path_us)
+
+
 def _evidence(rank, attribution, compute, delay, groups):
-    path, added = attribution.path_us, min(max(delay.charged_us, 0.0), 0.99 * attribution.path_us)
+    path, added = attribution.path_us, _added_us(attribution, delay)
     estimated = (f"; estimated from the {100 * delay.measured_share:.0f}% of its own work the trace measured (the "
                  f"rest spans tensor-parallel collectives that --trace-tp-microbatches left unrecorded)"
                  if delay.measured_share < 0.99 else "")
-    lines = [(f"delay it caused: it made the {attribution.iterations} traced iterations {added / 1e3:.1f} ms "
+    lines = [(f"{DELAY_PREFIX}it made the {attribution.iterations} traced iterations {added / 1e3:.1f} ms "
               f"longer than its peers' speed would have: the job ran {path / (path - added):.2f}x slower over them"
               f"{estimated}"),
              (f"others waited for it: its own work before the operations others waited for took "
@@ -170,7 +175,7 @@ def find_culprits(merged: MergedTrace, attribution: DelayAttribution, compute: d
             evidence.insert(1, _split_evidence(delay))
         score = max(delay.caused_us, sum(us for other, us in delay.masked_us.items() if other in named)) / path
         suspects.append(Suspect(rank, trace.coords, trace.host, trace.device_index, "slow_rank", score,
-                                evidence + nvml.get(rank, [])))
+                                evidence + nvml.get(rank, []), _added_us(attribution, delay)))
     for rank in (rank for rank, kind in kinds.items() if kind == "host_bound"):
         trace, delay = merged.ranks[rank], attribution.ranks[rank]
         evidence = [_host_bound_evidence(rank, compute, delay)] + _evidence(rank, attribution, compute, delay, groups)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 BLOCKED_LISTED = 16  # the text report lists this many blocked ranks; the JSON has all
+DELAY_PREFIX = "delay it caused: "  # a slow rank's first line of evidence: its cost to the job (Suspect.delay_us)
 
 
 def _blocked_line(entry):
@@ -23,6 +24,8 @@ class Suspect:
     kind: str  # "slow_rank", "hang" or (Report.host_bound) "host_bound"
     score: float
     evidence: list = field(default_factory=list)
+    # What it made the traced iterations longer (a slow rank's; nan for others), as its DELAY_PREFIX line says
+    delay_us: float = float("nan")
 
     def title(self) -> str:
         c = self.coords
@@ -39,6 +42,8 @@ class Report:
     unjudged: list  # [{who, why}]: not judged, or judged on part of the run only
     blocked: list = field(default_factory=list)  # [{rank, coords, operation, waits_for, behind}] in a hang
     host_bound: list = field(default_factory=list)  # Suspect (kind "host_bound"): its host, not its GPU, was late
+    traced_us: float = 0.0  # the traced iterations' length (their critical paths together)
+    iterations: int = 0  # how many traced iterations were judged
 
     def to_json(self) -> dict:
         return asdict(self)

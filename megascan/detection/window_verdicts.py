@@ -16,6 +16,7 @@ from megascan.aggregate.merged_trace import MergedTrace
 from megascan.aggregate.trace_records import OpRecord
 from megascan.aggregate.trace_subset import restricted
 from megascan.detection import detect
+from megascan.detection.clean_pace import CleanPace
 from megascan.detection.report import Report
 
 
@@ -56,9 +57,14 @@ def _window(merged, window, iterations):
 
 
 def judge_windows(merged: MergedTrace) -> list[WindowVerdict]:
-    """Each window's detection report, the windows in order."""
-    return [WindowVerdict(window, iterations, detect(_window(merged, window, iterations)))
-            for window, iterations in window_iterations(merged).items()]
+    """Each window's detection report, the windows in order, a slow rank's cost measured against the job's pace in
+    the last window before it that named nobody (clean_pace), as --trace-detect measures it."""
+    pace, verdicts = CleanPace(), []
+    for window, iterations in window_iterations(merged).items():
+        report = detect(_window(merged, window, iterations))
+        pace.account(report, window, iterations)
+        verdicts.append(WindowVerdict(window, iterations, report))
+    return verdicts
 
 
 def verdicts_text(verdicts: list[WindowVerdict]) -> str:
