@@ -6,7 +6,6 @@ then loads through the same path as a trained one, at any TP/PP.
 """
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
@@ -16,7 +15,6 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factor
 import pretrain_gpt  # the model provider every checkpoint of ours is loaded with
 from megatron.training.arguments import parse_args
 from megatron.training.cpu_compat import install_cpu_compat
-from megatron.training.ports import free_port
 from megatron.training.validate_args import validate_args
 
 # Flags pretrain_gpt.py requires that do not shape the model.
@@ -27,11 +25,11 @@ _NOT_SHAPING_THE_MODEL = ["--micro-batch-size", "1", "--train-iters", "1", "--lr
 @contextlib.contextmanager
 def single_process_group() -> Iterator[None]:
     """dist_checkpointing saves and loads through torch.distributed: one gloo process, TP1/PP1, for the block.
-    Destroyed after it: a group left to the interpreter's teardown once aborted a finished conversion (exit 134)."""
+    Destroyed after it: a group left to the interpreter's teardown once aborted a finished conversion (exit 134).
+    Its store is in memory: a TCP store's port could be taken by another process before it binds (it was, once,
+    in a test run: EADDRINUSE), and a group of one has nobody to meet."""
     install_cpu_compat()
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
-    torch.distributed.init_process_group("gloo", world_size=1, rank=0)
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), world_size=1, rank=0)
     try:
         parallel_state.initialize_model_parallel(1, 1)
         yield
