@@ -3,8 +3,9 @@ each round trains every schedule for --iterations iterations (a fresh model each
 gives each schedule's median iteration time over all rounds (the first iteration of a run left out).
 Rounds alternate the schedules, so load that other processes put on the machine hits all of them.
 With --predict the table adds the simulator's prediction for the same pipeline and delays
-(megadpp/prediction.py): its cost solved from the measured static time, or, with --prediction-slow-stage S
-and the forward time a healthy run printed (--prediction-forward-ms), the slow-down of stage S.
+(megadpp/prediction.py): its cost solved from the measured static time, or, given the forward time a healthy run
+of the same job printed (--prediction-forward-ms), the slow-down of stage S (--prediction-slow-stage S) or, with
+--dpp-delay-link, how much of each link delay the static schedule hides behind the kernels its host queued.
 
 A straggler that comes and goes: --load-gpu G --load-iterations A:B runs scripts/gpu_load.py (--load-duty) on this
 node's GPU G during iterations A to B-1 of every run, so that every schedule meets it at the same iterations. The
@@ -75,8 +76,13 @@ def main():
     specs = ours.schedules.split(",")
     if ours.predict and STATIC not in specs:
         parser.error("--predict needs the static schedule among --schedules (the prediction is solved from it)")
-    if (ours.prediction_slow_stage is None) != (ours.prediction_forward_ms is None):
-        parser.error("--prediction-slow-stage and --prediction-forward-ms go together (the healthy run's forward)")
+    if ours.prediction_slow_stage is not None and ours.prediction_forward_ms is None:
+        parser.error("--prediction-slow-stage needs --prediction-forward-ms (the forward time a healthy run printed)")
+    if ours.prediction_forward_ms is not None and ours.prediction_slow_stage is None \
+            and "--dpp-delay-link" not in megatron_argv:
+        parser.error("--prediction-forward-ms needs --prediction-slow-stage or --dpp-delay-link: with a healthy run's "
+                     "forward time the prediction solves a stage's slow-down or how much of a link delay the static "
+                     "schedule hides")
     load = None
     if (ours.load_gpu is None) != (ours.load_iterations is None):
         parser.error("--load-gpu and --load-iterations go together")
@@ -143,9 +149,11 @@ def prediction(ours, job, medians):
                                                             args.dpp_delay_probability)
     found = predict(stage_layers, args.virtual_pipeline_model_parallel_size or 1, get_num_microbatches(),
                     medians[STATIC], link_delay, ours.prediction_forward_ms, ours.prediction_slow_stage)
+    hidden = (f"; the static schedule hides {found.host_overlap:.2f} of a sending action's compute behind each link "
+              f"delay" if link_delay and ours.prediction_forward_ms is not None else "")
     print(f"simulator: forward_ms={found.forward_ms:.3f} stage scale "
           + " / ".join(f"{s:.2f}" for s in found.stage_scale)
-          + f"; no schedule beats {found.bound_ms:.1f} ms (the busiest stage's own compute)")
+          + f"; no schedule beats {found.bound_ms:.1f} ms (the busiest stage's own compute){hidden}")
     return found
 
 

@@ -15,8 +15,9 @@
 #   speed               GPT 1.3B bf16 side by side (bench/dpp_side_by_side.py --predict: the simulator's prediction
 #                       beside each): PP4 (1F1B vs DPP) healthy, with a slow link, with uneven stages (9/6/6/6
 #                       layers), with GPU 2 under load and with GPU 2 loaded for iterations 3-4 of each run only;
-#                       PP2 with a virtual pipeline on GPUs 0,1 and 2,3 (interleaved 1F1B vs DPP), healthy, with a
-#                       slow link and with GPU 1 loaded for iterations 3-4
+#                       PP2 with a virtual pipeline on GPUs 0,1 (interleaved 1F1B vs DPP), healthy, with a slow link
+#                       and with GPU 1 loaded for iterations 3-4. A slow link's prediction takes the healthy run's
+#                       forward time and solves how much of each delay the static schedule hides
 # Stress, fallback and stall: GPT 345M's shape at 16 layers (PP4: 4 a stage; 2 chunks of 2 with a virtual
 # pipeline), 8 microbatches.
 # Needs megatron-core importable and the transport built in place (python3 setup.py build_ext --inplace).
@@ -134,7 +135,7 @@ phase_speed() {
         side pp4_healthy 0,1,2,3 29500 "${pp4[@]}"
         local forward
         forward=$(grep -oP 'simulator: forward_ms=\K[0-9.]+' "$RESULTS/speed_pp4_healthy.log")
-        side pp4_link 0,1,2,3 29500 "${pp4[@]}" --dpp-delay-link 1 "${delay[@]}"
+        side pp4_link 0,1,2,3 29500 "${pp4[@]}" --dpp-delay-link 1 "${delay[@]}" --prediction-forward-ms "${forward:-1}"
         side pp4_uneven 0,1,2,3 29500 "${pp4[@]}" --num-layers 27 --decoder-first-pipeline-num-layers 9
         python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 300 > "$RESULTS/speed_load.log" 2>&1 &
         local load=$!
@@ -143,10 +144,11 @@ phase_speed() {
         kill "$load"; wait "$load"
         side pp4_gpu2_transient 0,1,2,3 29500 "${pp4[@]}" --load-gpu 2 --load-iterations 3:5
     }
-    speed_vp() {
-        side vp_healthy 0,1 29501 "${vp[@]}" &
-        side vp_link 2,3 29502 "${vp[@]}" --dpp-delay-link 0 "${delay[@]}" &
-        wait
+    speed_vp() {  # the slow link's prediction takes the healthy run's forward time: one after the other
+        side vp_healthy 0,1 29501 "${vp[@]}"
+        local forward
+        forward=$(grep -oP 'simulator: forward_ms=\K[0-9.]+' "$RESULTS/speed_vp_healthy.log")
+        side vp_link 0,1 29501 "${vp[@]}" --dpp-delay-link 0 "${delay[@]}" --prediction-forward-ms "${forward:-1}"
         side vp_gpu1_transient 0,1 29501 "${vp[@]}" --load-gpu 1 --load-iterations 3:5
     }
     for part in ${SPEED_PARTS:-pp4 vp}; do "speed_$part"; done

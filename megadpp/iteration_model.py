@@ -8,6 +8,10 @@ transfer ``transfer_ms``; ``jitter_ms`` adds a uniform random delay in [0, jitte
 straggler stage adds ``straggler_ms`` to a forward there (as --dpp-delay-stage does) with probability
 ``straggler_probability``, one straggler link the same to transfers leaving that stage. Random draws
 depend only on (seed, what, stage, microbatch), so every schedule meets the same delays.
+On a GPU a static schedule's link delay is its sender's host sleeping before the send (megadpp/fault_injection.py)
+while the GPU still runs the kernels that host queued for the action whose output it sends: ``host_overlap`` is
+the share of that action's compute the sleep overlaps, so such a message is late by only the rest of the delay.
+DPP's delay is held back on the receiving side from the message's arrival and overlaps nothing (0, the default).
 DPP's sends never block a rank (its transport is asynchronous). megatron-core's static schedules wait for
 their sends: each step exchanges the output of its compute together with the receives of the next forward
 and backward (``send_forward_recv_backward`` and friends) and waits for all of them, so a send completes
@@ -35,6 +39,7 @@ class CostModel:
     straggler_probability: float = 1.0
     seed: int = 0
     stage_scale: tuple = None  # per pipeline rank: its compute times this (None: all 1)
+    host_overlap: float = 0.0  # share of the sending action's compute that a straggler link's delay overlaps
 
     def _draw(self, *key):
         return random.Random(hash((self.seed, *key))).random()
@@ -50,12 +55,13 @@ class CostModel:
             extra += self.straggler_ms
         return base + extra
 
-    def transfer_time_ms(self, pp_rank, action):
+    def transfer_time_ms(self, pp_rank, action, compute_ms):
+        """The transfer of ``action``'s output, which took ``compute_ms`` to compute."""
         kind = 0 if action.kind == FORWARD else 1
         extra = 0.0
         if pp_rank == self.straggler_link and self._draw(2, pp_rank, action.chunk, kind, action.microbatch) < \
                 self.straggler_probability:
-            extra = self.straggler_ms
+            extra = max(self.straggler_ms - self.host_overlap * compute_ms, 0.0)
         return self.transfer_ms + extra
 
 
@@ -145,9 +151,9 @@ def run_iteration(stages, chunks, cost, ranks, blocking_sends):
             if layouts[r].is_last(action.chunk) and action.kind == FORWARD:  # the loss is computed here
                 arrivals[(r, LOSS, action.chunk, action.microbatch)] = finish
         elif blocking_sends:
-            held[key], free_at[r] = (r, finish, cost.transfer_time_ms(r, action)), None
+            held[key], free_at[r] = (r, finish, cost.transfer_time_ms(r, action, duration)), None
         else:
-            arrivals[key] = finish + cost.transfer_time_ms(r, action)
+            arrivals[key] = finish + cost.transfer_time_ms(r, action, duration)
     complete_held_sends()
     peak = max(peak_in_flight(order) for order in orders.values())
     return SimulationResult(max(free_at), peak, orders, idle)

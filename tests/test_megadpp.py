@@ -89,6 +89,28 @@ def test_prediction_matches_the_measured_static_time_and_models_the_job():
     assert loaded.stage_scale[:2] == (1, 1) and loaded.static_ms == pytest.approx(700.0, rel=1e-3)
 
 
+# Measured on four H100s (docs/benchmarks.md, MegaDPP speed): GPT 1.3B, 16 microbatches, 20 ms on 30 % of one stage's
+# sends: (stages, chunks, the delayed stage, static ms healthy, static ms with the slow link, DPP ms with it)
+H100_SLOW_LINK = {"PP4": (4, 1, 1, 438.3, 570.5, 0.99 * 570.5), "PP2 + virtual pipeline": (2, 2, 0, 884.4, 1066.6,
+                                                                                          0.87 * 1066.6)}
+
+
+@pytest.mark.parametrize("layout", H100_SLOW_LINK)
+def test_a_slow_links_prediction_from_the_healthy_forward_matches_the_gpu(layout):
+    """The static schedule's link delay is its sender's host sleeping while its GPU still runs the sending action's
+    kernels. Given the healthy run's forward time, the prediction solves how much of each delay that hides (about
+    half, at both layouts) and then puts DPP within 5 % of its measured time; the forward time solved from the slowed
+    static run alone put it 10 % too fast."""
+    stages, chunks, stage, healthy_ms, static_ms, dpp_ms = H100_SLOW_LINK[layout]
+    layers = [24 // stages] * stages
+    forward_ms = predict(layers, chunks, 16, healthy_ms).forward_ms
+    found = predict(layers, chunks, 16, static_ms, link_delay=(stage, 20.0, 0.3), forward_ms=forward_ms)
+    assert found.static_ms == pytest.approx(static_ms, rel=1e-3) and 0.4 < found.host_overlap < 0.6
+    assert all(ms == pytest.approx(dpp_ms, rel=0.05) for ms in found.dpp_ms.values()), found.dpp_ms
+    alone = predict(layers, chunks, 16, static_ms, link_delay=(stage, 20.0, 0.3))
+    assert alone.host_overlap == 0.0 and all(ms < 0.93 * dpp_ms for ms in alone.dpp_ms.values())
+
+
 def test_transient_prediction_weighs_the_loaded_iterations():
     """A GPU loaded for a quarter of the iterations: the healthy and the loaded static times give the forward time
     and the slow-down, and every prediction is the quarter-weighted mean of the two cases'."""
@@ -153,3 +175,12 @@ def test_bad_combination_gives_one_line(case, refused):
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1, result.stderr
     assert expected in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--prediction-slow-stage", "1"], "--prediction-slow-stage needs --prediction-forward-ms"),
+    (["--prediction-forward-ms", "7.5"], "--prediction-forward-ms needs --prediction-slow-stage or --dpp-delay-link"),
+], ids=["slow stage without the healthy forward", "healthy forward with nothing to solve"])
+def test_side_by_side_prediction_flags_that_do_not_go_together_are_refused_before_the_job_starts(flags, expected):
+    result = run_script("bench/dpp_side_by_side.py", ["--predict", *flags])
+    assert result.returncode == 2 and expected in result.stderr.strip().splitlines()[-1], result.stderr
