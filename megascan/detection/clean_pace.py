@@ -4,7 +4,7 @@ The delay attribution estimates a culprit's cost from its excess over its peers'
 Where the trace measured only a sample of a rank's work (--trace-tp-microbatches: one microbatch of a TP rank's
 iteration), that estimate is the sample's excess scaled up to the whole iteration, and one microbatch is a small
 sample: on two H200s it put a GPU under a competing load at 1.30-1.42x its peer while the job ran a steady 1.27x
-slower, so the cost named ranged from 6 % to 47 % above the real loss. The scaled-up span also holds the
+slower, so the cost named ranged from 7 % to 47 % above the real loss. The scaled-up span also holds the
 collectives, which a slow GPU does not slow.
 
 Windows judged in order have a direct measure: a window's traced iterations against those of the latest window
