@@ -26,7 +26,7 @@ import time
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.loading import TRACE_FILE_TEMPLATE, load_directory
 from megascan.aggregate.merged_trace import load_and_merge
-from megascan.detection import detect
+from megascan.detection.window_findings import judge_run
 from megascan.simulation.simulated_traces import Scenario, simulate
 from megascan.simulation.synthetic_traces import read_lines, write_lines
 from megatron.training.garbage_collection import cycle_collection_paused
@@ -120,7 +120,7 @@ def measure(directory):
         merged_at = time.perf_counter()
         write_chrome_trace(merged, output)
         written_at = time.perf_counter()
-        report = detect(merged)
+        report, _ = judge_run(merged)  # the whole run and each window, as -d judges them
         detected_at = time.perf_counter()
     return {"ranks": len(merged.ranks), "instances": len(merged.instances),
             "records": sum(len(i.records) for i in merged.instances),

@@ -20,9 +20,8 @@ from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import MergedTrace, load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
-from megascan.detection import detect
-from megascan.detection.window_findings import with_window_findings
-from megascan.detection.window_verdicts import judge_windows, verdicts_text
+from megascan.detection.window_findings import judge_run
+from megascan.detection.window_verdicts import verdicts_text
 from megatron.training.atomic_file import replaced_on_success
 from megatron.training.garbage_collection import cycle_collection_paused
 
@@ -206,12 +205,8 @@ def run(args: argparse.Namespace) -> int:
         _write("--sqlite", args.sqlite, write_sqlite, merged)
         outputs.append(("SQLite", args.sqlite))
     detecting = args.detect or args.report_json or args.flight_recorder or args.per_window
-    report = detect(merged) if detecting else None
+    report, windows = judge_run(merged) if detecting else (None, None)
     second_witness = _flight_recorder(args, merged) if detecting else None
-    several_windows = len({window for trace in merged.ranks.values() for window in trace.windows}) > 1
-    windows = judge_windows(merged) if detecting and several_windows else None
-    if windows is not None:
-        report = with_window_findings(report, windows)
     if args.report_json:
         _write("--report-json", args.report_json, _write_report, report, second_witness, windows)
         outputs.append(("detection report JSON", args.report_json))

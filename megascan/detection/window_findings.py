@@ -11,7 +11,10 @@ window, judged alone, found its GPU slow.
 
 from __future__ import annotations
 
+from megascan.aggregate.merged_trace import MergedTrace
+from megascan.detection import detect
 from megascan.detection.report import DELAY_PREFIX, Report, Suspect
+from megascan.detection.window_verdicts import judge_windows
 
 WHOLE_RUN_PREFIX = "over the whole run: "
 
@@ -61,3 +64,13 @@ def with_window_findings(run: Report, verdicts: list) -> Report:
     # Hung ranks first, in their order; then the slow ranks, the most delay first
     run.suspects.sort(key=lambda suspect: (0, 0.0) if suspect.kind == "hang" else (1, -suspect.score))
     return run
+
+
+def judge_run(merged: MergedTrace) -> tuple[Report, list | None]:
+    """What ``tools/aggregate.py -d`` judges: the whole run and, where the trace has several windows, each window
+    alone, with their findings taken into the run's report. (the report, the window verdicts or None)."""
+    report = detect(merged)
+    if len({window for trace in merged.ranks.values() for window in trace.windows}) < 2:
+        return report, None
+    windows = judge_windows(merged)
+    return with_window_findings(report, windows), windows
