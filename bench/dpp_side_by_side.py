@@ -150,7 +150,7 @@ def prediction(ours, job, medians):
     found = predict(stage_layers, args.virtual_pipeline_model_parallel_size or 1, get_num_microbatches(),
                     medians[STATIC], link_delay, ours.prediction_forward_ms, ours.prediction_slow_stage)
     hidden = (f"; the static schedule hides {found.host_overlap:.2f} of a sending action's compute behind each link "
-              f"delay" if link_delay and ours.prediction_forward_ms is not None else "")
+              f"delay" if found.host_overlap is not None else "")
     print(f"simulator: forward_ms={found.forward_ms:.3f} stage scale "
           + " / ".join(f"{s:.2f}" for s in found.stage_scale)
           + f"; no schedule beats {found.bound_ms:.1f} ms (the busiest stage's own compute){hidden}")

@@ -131,24 +131,27 @@ phase_speed() {
             > "$RESULTS/speed_$name.log" 2>&1
         echo "== speed $name exit $?"; sed -n '/^simulator:/,$p' "$RESULTS/speed_$name.log"
     }
+    healthy_forward() {  # the forward time a healthy case's prediction solved (1 if it printed none)
+        grep -oP 'simulator: forward_ms=\K[0-9.]+' "$RESULTS/speed_$1.log" || echo 1
+    }
     speed_pp4() {
         side pp4_healthy 0,1,2,3 29500 "${pp4[@]}"
         local forward
-        forward=$(grep -oP 'simulator: forward_ms=\K[0-9.]+' "$RESULTS/speed_pp4_healthy.log")
-        side pp4_link 0,1,2,3 29500 "${pp4[@]}" --dpp-delay-link 1 "${delay[@]}" --prediction-forward-ms "${forward:-1}"
+        forward=$(healthy_forward pp4_healthy)
+        side pp4_link 0,1,2,3 29500 "${pp4[@]}" --dpp-delay-link 1 "${delay[@]}" --prediction-forward-ms "$forward"
         side pp4_uneven 0,1,2,3 29500 "${pp4[@]}" --num-layers 27 --decoder-first-pipeline-num-layers 9
         python3 scripts/gpu_load.py --gpu 2 --duty 0.5 --duration 300 > "$RESULTS/speed_load.log" 2>&1 &
         local load=$!
         sleep 3
-        side pp4_gpu2_loaded 0,1,2,3 29500 "${pp4[@]}" --prediction-forward-ms "${forward:-1}" --prediction-slow-stage 2
+        side pp4_gpu2_loaded 0,1,2,3 29500 "${pp4[@]}" --prediction-forward-ms "$forward" --prediction-slow-stage 2
         kill "$load"; wait "$load"
         side pp4_gpu2_transient 0,1,2,3 29500 "${pp4[@]}" --load-gpu 2 --load-iterations 3:5
     }
     speed_vp() {  # the slow link's prediction takes the healthy run's forward time: one after the other
         side vp_healthy 0,1 29501 "${vp[@]}"
         local forward
-        forward=$(grep -oP 'simulator: forward_ms=\K[0-9.]+' "$RESULTS/speed_vp_healthy.log")
-        side vp_link 0,1 29501 "${vp[@]}" --dpp-delay-link 0 "${delay[@]}" --prediction-forward-ms "${forward:-1}"
+        forward=$(healthy_forward vp_healthy)
+        side vp_link 0,1 29501 "${vp[@]}" --dpp-delay-link 0 "${delay[@]}" --prediction-forward-ms "$forward"
         side vp_gpu1_transient 0,1 29501 "${vp[@]}" --load-gpu 1 --load-iterations 3:5
     }
     for part in ${SPEED_PARTS:-pp4 vp}; do "speed_$part"; done

@@ -44,7 +44,8 @@ class Prediction:
     static_ms: float  # the simulated static schedule (equal to the measured one, by construction)
     dpp_ms: dict  # policy -> simulated DPP makespan
     bound_ms: float  # the busiest stage's own compute: no schedule of these costs finishes sooner
-    host_overlap: float = 0.0  # share of a sending action's compute the static schedule's link delay overlaps
+    # Share of a sending action's compute that the static schedule's link delay overlaps; None where not solved
+    host_overlap: float | None = None
 
 
 class _Pipeline:
@@ -83,21 +84,19 @@ def predict(stage_layers, chunks, microbatches, static_ms, link_delay=None, forw
     pipeline = _Pipeline(len(stage_layers), chunks, microbatches, link_delay)
     mean = statistics.mean(stage_layers)
     layer_scale = tuple(n / mean for n in stage_layers)
-    overlap = 0.0
-    if slow_stage is None and forward_ms is not None and link_delay is not None:
-        scale = layer_scale
-        # The makespan falls as the overlap grows: solve on its negative
-        overlap = _solve(lambda k: -pipeline.makespan(forward_ms, scale, host_overlap=k), -static_ms, 0.0, MAX_OVERLAP)
-    elif slow_stage is None:
-        scale = layer_scale
-        forward_ms = _solve(lambda f: pipeline.makespan(f, scale), static_ms, 1e-3, static_ms)
-    else:
+    scale, overlap = layer_scale, None
+    if slow_stage is not None:
         def slowed(factor):
             return tuple(s * factor if stage == slow_stage else s for stage, s in enumerate(layer_scale))
 
         scale = slowed(_solve(lambda k: pipeline.makespan(forward_ms, slowed(k)), static_ms, 1.0, 100.0))
+    elif forward_ms is not None and link_delay is not None:
+        # The makespan falls as the overlap grows: solve on its negative
+        overlap = _solve(lambda k: -pipeline.makespan(forward_ms, scale, host_overlap=k), -static_ms, 0.0, MAX_OVERLAP)
+    else:
+        forward_ms = _solve(lambda f: pipeline.makespan(f, scale), static_ms, 1e-3, static_ms)
     busiest = microbatches * forward_ms * (1 + CostModel().backward_ratio) * max(scale)
-    return Prediction(forward_ms, scale, pipeline.makespan(forward_ms, scale, host_overlap=overlap),
+    return Prediction(forward_ms, scale, pipeline.makespan(forward_ms, scale, host_overlap=overlap or 0.0),
                       {policy: pipeline.makespan(forward_ms, scale, policy) for policy in POLICIES}, busiest, overlap)
 
 

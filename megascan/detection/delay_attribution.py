@@ -75,12 +75,6 @@ class DelayAttribution:
     noise: RunNoise = field(default_factory=RunNoise)
 
 
-def _transfer_times(timelines, awaited):
-    """Per record: its finish minus its instance's last arrival (nan where unknown)."""
-    arrival = np.where(awaited != NO_RECORD, timelines.start[awaited], np.nan)
-    return np.maximum(timelines.end - arrival, 0.0)
-
-
 def _add_masked(timelines, awaited, comparable, excess, ranks):
     """RankDelay.masked_us: each record's excess, by the rank that arrived last at its operation."""
     waited_for = np.where(awaited != NO_RECORD, timelines.rank[awaited], -1)
@@ -112,7 +106,7 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
         if rank < len(own):
             delay.own_us, delay.peers_us = float(own[rank]), float(peers[rank])
     awaited = timelines.arrival_awaited()
-    transfer = _transfer_times(timelines, awaited)
+    transfer = timelines.transfer_time(awaited)
     expected_transfer = medians_of_others(transfer, timelines.role_key)
     charged_links = defaultdict(float)
     # Each iteration's measured length less what was charged for it: what its measured part took unslowed.

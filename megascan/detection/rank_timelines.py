@@ -65,6 +65,12 @@ class RankTimelines:
         """Per record: the rest of its own work, its GPU's: from the issue (or the previous finish) to arriving."""
         return self.gap - self.host_wait()
 
+    def transfer_time(self, awaited: np.ndarray) -> np.ndarray:
+        """Per record: the operation's own transfer, from its instance's last arrival (``awaited``, as
+        arrival_awaited gives it) to this record's finish (nan where unknown)."""
+        arrival = np.where(awaited != NO_RECORD, self.start[awaited], np.nan)
+        return np.maximum(self.end - arrival, 0.0)
+
     def arrival_awaited(self) -> np.ndarray:
         """Per record: the record number of its instance's last arrival, what it waited for (NO_RECORD where
         the instance is incomplete); the last arrival itself points to itself."""

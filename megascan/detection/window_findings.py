@@ -41,7 +41,7 @@ def with_window_findings(run: Report, verdicts: list) -> Report:
     found = {}
     for verdict in verdicts:
         for suspect in verdict.report.suspects:
-            if suspect.kind == "slow_rank" and suspect.delay_us == suspect.delay_us:  # a number, not nan
+            if suspect.kind == "slow_rank":
                 found.setdefault(suspect.rank, []).append((verdict, suspect))
     named = {suspect.rank: suspect for suspect in run.suspects}
     for rank, in_windows in found.items():
