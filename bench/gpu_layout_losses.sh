@@ -4,8 +4,11 @@
 # DP2 (also with the distributed optimizer), TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each
 # eager and with megatron-core's local CUDA graphs (--cuda-graph-impl local; REPEATS times, 1 by default), on GPUs
 # 0,1 and 2,3 two at a time; MODES=full: one graph of each whole iteration (--cuda-graph-scope full_iteration). For each run it also prints how long the job took to exit after its last iteration (a
-# job that does not exit is stopped after EXIT_WAIT s).
-#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] (also tp2_sp_overlap: --tp-comm-overlap) [MODES="eager graphs"] [REPEATS=3] bash bench/gpu_layout_losses.sh
+# job that does not exit is stopped after EXIT_WAIT s). MODES=compiled: the layers under torch.compile
+# (--compile-transformer-layers, graphs as by default). SINGLE_MODES: the one-GPU run again in these modes, against
+# itself (CHECK_LAYOUTS= with nothing runs on one GPU only).
+#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] (also tp2_sp_overlap: --tp-comm-overlap) [MODES="eager graphs"] [REPEATS=3]
+#   [SINGLE_MODES="eager compiled"] bash bench/gpu_layout_losses.sh
 # Outputs under ${RESULTS:-bench_results}/layout_losses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,22 +41,34 @@ launch() {  # name, gpus, port, flags...: runs the job, then says how long it to
          "$(grep -m1 -oE 'CUDA graphs[^;|]*' "$log")"
 }
 
+mode_flags() {  # mode: the flags that put a run in it
+    case $1 in
+        eager) echo "--cuda-graph-impl none" ;;
+        graphs) echo "--cuda-graph-impl local" ;;
+        full) echo "--cuda-graph-impl local --cuda-graph-scope full_iteration" ;;
+        compiled) echo "--compile-transformer-layers" ;;
+        *) echo "MODES: $1 is none of eager, graphs, full and compiled" >&2; return 2 ;;
+    esac
+}
+
 runs=()  # name and flags, run two at a time (GPUs 0,1 and 2,3)
-for layout in ${CHECK_LAYOUTS:-dp2 dp2_distopt tp2_sp pp2 pp2_vp}; do
+for layout in ${CHECK_LAYOUTS-dp2 dp2_distopt tp2_sp pp2 pp2_vp}; do
     [[ -v LAYOUT[$layout] ]] || { echo "CHECK_LAYOUTS: $layout is none of ${!LAYOUT[*]}" >&2; exit 2; }
     for mode in ${MODES:-eager graphs}; do
-        case $mode in
-            eager) runs+=("$layout|${LAYOUT[$layout]} --cuda-graph-impl none") ;;
-            graphs) for ((k = 1; k <= ${REPEATS:-1}; k++)); do
-                        runs+=("${layout}_graphs$( ((k > 1)) && echo "_$k")|${LAYOUT[$layout]} --cuda-graph-impl local")
-                    done ;;
-            full) runs+=("${layout}_full|${LAYOUT[$layout]} --cuda-graph-impl local --cuda-graph-scope full_iteration") ;;
-            *) echo "MODES: $mode is none of eager, graphs and full" >&2; exit 2 ;;
-        esac
+        flags=$(mode_flags "$mode") || exit 2
+        repeats=1; [[ $mode == graphs ]] && repeats=${REPEATS:-1}
+        for ((k = 1; k <= repeats; k++)); do
+            runs+=("${layout}$([[ $mode == eager ]] || echo "_$mode")$( ((k > 1)) && echo "_$k")|${LAYOUT[$layout]} $flags")
+        done
     done
 done
 launch single 0 29600
 names=()
+for mode in ${SINGLE_MODES:-}; do
+    flags=$(mode_flags "$mode") || exit 2
+    launch "single_$mode" 0 29600 $flags
+    names+=("single_$mode=$OUTDIR/single_$mode.log")
+done
 for ((i = 0; i < ${#runs[@]}; i += 2)); do
     for slot in 0 1; do
         [[ -n ${runs[i + slot]:-} ]] || continue

@@ -3,6 +3,7 @@
 import glob
 import os
 
+from megatron.training.compiled_layers import refuse_compiled_layers
 from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
 
@@ -109,6 +110,7 @@ def compose_with_cuda_graphs(args):
     refused in one line."""
     if not (args.trace and args.trace_granularity == "full"):
         return None
+    refuse_compiled_layers(args, "--trace-granularity full times every layer's halves from Python")
     return graphs_give_way(args, "off: MegaScan --trace-granularity full times every layer from Python",
                            f"--trace-granularity full times every layer, which --cuda-graph-impl "
                            f"{args.cuda_graph_impl} replays as one launch; use --trace-granularity base or drop the "
@@ -135,6 +137,7 @@ def validate_fault_injection_args(args):
             _require(args.device == "cpu",
                      f"{flag} acts on the host and works with --device cpu only; "
                      f"on GPUs slow one down with scripts/gpu_load.py")
+            refuse_compiled_layers(args, f"{flag} acts from hooks inside the layers")
     rank = args.inject_host_delay_rank
     if rank is not None:  # a real host delay on a GPU job too: the host is what it slows
         _require(0 <= rank < args.world_size,

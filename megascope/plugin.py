@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from megatron.training.compiled_layers import refuse_compiled_layers
 from megatron.training.cuda_graphs import graphs_give_way
 from megatron.training.errors import ArgumentError
 from megatron.training.frozen_args import FrozenArgs
@@ -51,6 +52,7 @@ class MegaScopePlugin(AddArgumentsHook, IsEnabledHook, ValidateArgsHook, AfterSe
         if not 1 <= args.training_ws_port <= 65535:
             raise ArgumentError(f"--training-ws-port {args.training_ws_port}: a TCP port is 1 .. 65535")
         # Captures, patches and perturbations are hooks inside the layers, which a replayed graph never calls.
+        refuse_compiled_layers(args, "--training-ws-port reads and edits activations inside the layers from hooks")
         return graphs_give_way(args, "off with --training-ws-port: MegaScope reads and edits inside the layers",
                                f"--training-ws-port reads and edits activations inside the layers, which "
                                f"--cuda-graph-impl {args.cuda_graph_impl} replays without calling them; drop it")

@@ -85,6 +85,13 @@ CASES = {
         MOCK + ["--use-dpp", "--pipeline-model-parallel-size", "2", "--dpp-log-schedule", "/nonexistent/schedule.json"],
         {"WORLD_SIZE": "2"},
         "--dpp-log-schedule /nonexistent/schedule.json: its directory /nonexistent does not exist; create it"),
+    "compiled layers with MegaScope's training hooks": (
+        MOCK + ["--compile-transformer-layers", "--training-ws-port", "8765"], {},
+        "--training-ws-port reads and edits activations inside the layers from hooks, which "
+        "--compile-transformer-layers compiles away; drop one of them"),
+    "compiled layers with per-layer tracing": (
+        MOCK + ["--compile-transformer-layers", "--trace", "--trace-interval", "3", "--trace-granularity", "full"], {},
+        "--trace-granularity full times every layer's halves from Python, which --compile-transformer-layers"),
     "transformer engine not installed": (
         MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),
 }

@@ -496,6 +496,13 @@ def test_a_virtual_pipeline_is_refused_by_its_flag_not_by_the_microbatches(monke
                                   "pipeline rank; leave virtual pipelining out")
 
 
+def test_compiled_layers_are_refused_by_the_generation_engine():
+    with pytest.raises(ArgumentError) as refused:  # in-process: it is refused before any process group
+        setup_for_generation(TINY_SERVER + ["--compile-transformer-layers"], "x", model_provider=None)
+    assert str(refused.value) == ("--compile-transformer-layers: the generation engine runs its layers eagerly (each "
+                                  "step has a new length); drop the flag")
+
+
 def test_a_port_in_use_at_tp2_is_one_line_from_the_job():
     """Issue 53: rank 0 printed its line, then rank 1, waiting in the service's loop for rank 0's first job, printed
     gloo's "Connection closed by peer" trace."""

@@ -85,6 +85,9 @@ def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, c
             raise ArgumentError("give --max-position-embeddings (or --seq-length): the positions the model serves")
         args.seq_length = args.max_position_embeddings
     _no_cuda_graphs(args)
+    if args.compile_transformer_layers:
+        raise ArgumentError("--compile-transformer-layers: the generation engine runs its layers eagerly (each step "
+                            "has a new length); drop the flag")
     _no_virtual_pipeline(args)
     validate_args(args)
     if check_args is not None:

@@ -68,6 +68,9 @@ def _add_kernel_args(parser):
                    help="do not fuse bias + dropout + residual add (fused by torch.compile on GPU by default)")
     g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false",
                    help="unfused attention only: do not use apex's fused masked softmax when apex is installed")
+    g.add_argument("--compile-transformer-layers", action="store_true",
+                   help="run each transformer layer under torch.compile (inductor): its norms, residual adds, "
+                        "biases and activation fused into fewer kernels; the first iterations compile")
     g.add_argument("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], default=None,
                    help="capture each transformer layer's forward and backward as CUDA graphs after "
                         "--cuda-graph-warmup-steps iterations (local: megatron-core's own graphs). Default: "

@@ -8,6 +8,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config
 
+from megatron.training.compiled_layers import compile_transformer_layers
 from megatron.training.core_configs import ddp_config, optimizer_config
 from megatron.training.layout_invariant_init import reinitialize_layout_invariant
 
@@ -100,6 +101,8 @@ def use_fused_adam(optimizer):
 
 def setup_model_and_optimizer(args, model_provider):
     model = build_model(args, model_provider)
+    if args.compile_transformer_layers:
+        compile_transformer_layers(model)
     optimizer = get_megatron_optimizer(optimizer_config(args), model)
     scheduler = build_scheduler(args, optimizer)
     connect_schedule_hooks(args, model, optimizer)

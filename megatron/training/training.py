@@ -256,7 +256,8 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
                  f"{sum(p.numel() for chunk in model for p in chunk.parameters()) / 1e6:.2f} M "
                  f"parameters on rank 0, "
                  f"starting at iteration {state.iteration}; attention: {attention_summary(args)}; "
-                 f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})")
+                 f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})"
+                 f"{'; layers under torch.compile' if args.compile_transformer_layers else ''}")
     registry.after_setup(context, model, optimizer, scheduler)
     iterators = build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
     trainer = Trainer(context, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))
