@@ -3,7 +3,7 @@
 # dropout 0, --use-cpu-initialization (the same start in every layout), 8 iterations of 8 microbatches:
 # DP2 (also with the distributed optimizer), TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each
 # eager and with megatron-core's local CUDA graphs (--cuda-graph-impl local; REPEATS times, 1 by default), on GPUs
-# 0,1 and 2,3 two at a time; MODES=full: one graph of each whole iteration (--cuda-graph-scope full_iteration). For each run it also prints how long the job took to exit after its last iteration (a
+# 0,1 and 2,3 two at a time (on GPUs 0,1 one at a time where two are found); MODES=full: one graph of each whole iteration (--cuda-graph-scope full_iteration). For each run it also prints how long the job took to exit after its last iteration (a
 # job that does not exit is stopped after EXIT_WAIT s). MODES=compiled: the layers under torch.compile
 # (--compile-transformer-layers, graphs as by default). SINGLE_MODES: the one-GPU run again in these modes, against
 # itself (CHECK_LAYOUTS= with nothing runs on one GPU only).
@@ -69,8 +69,10 @@ for mode in ${SINGLE_MODES:-}; do
     launch "single_$mode" 0 29600 $flags
     names+=("single_$mode=$OUTDIR/single_$mode.log")
 done
-for ((i = 0; i < ${#runs[@]}; i += 2)); do
-    for slot in 0 1; do
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+slots=$((GPUS >= 4 ? 2 : 1))  # two runs at a time where four GPUs are found
+for ((i = 0; i < ${#runs[@]}; i += slots)); do
+    for ((slot = 0; slot < slots; slot++)); do
         [[ -n ${runs[i + slot]:-} ]] || continue
         IFS='|' read -r name flags <<< "${runs[i + slot]}"
         names+=("$name=$OUTDIR/$name.log")
