@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # Parallel layouts against one GPU, losses and grad norms of every iteration (docs/benchmarks.md): GPT 345M bf16,
-# dropout 0, --use-cpu-initialization (the same start in every layout), 8 iterations of 8 microbatches:
-# DP2 (also with the distributed optimizer), TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, each
-# eager and with megatron-core's local CUDA graphs (--cuda-graph-impl local; REPEATS times, 1 by default), on GPUs
-# 0,1 and 2,3 two at a time (on GPUs 0,1 one at a time where two are found); MODES=full: one graph of each whole iteration (--cuda-graph-scope full_iteration). For each run it also prints how long the job took to exit after its last iteration (a
-# job that does not exit is stopped after EXIT_WAIT s). MODES=compiled: the layers under torch.compile
-# (--compile-transformer-layers, graphs as by default). SINGLE_MODES: the one-GPU run again in these modes, against
-# itself (CHECK_LAYOUTS= with nothing runs on one GPU only).
-#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] (also tp2_sp_overlap: --tp-comm-overlap) [MODES="eager graphs"] [REPEATS=3]
-#   [SINGLE_MODES="eager compiled"] bash bench/gpu_layout_losses.sh
+# dropout 0, --use-cpu-initialization (the same start in every layout), 8 iterations of 8 microbatches: DP2 (also
+# with the distributed optimizer), TP2 with sequence parallelism, PP2, PP2 with a virtual pipeline, in each of MODES:
+# eager, graphs (megatron-core's local CUDA graphs, --cuda-graph-impl local), full (one graph of each whole iteration,
+# --cuda-graph-scope full_iteration), compiled (the layers under torch.compile, --compile-transformer-layers, graphs as
+# by default). Every mode but eager runs REPEATS times (1 by default). The layouts run on GPUs 0,1 and 2,3 two at a
+# time (one at a time on GPUs 0,1 where two are found). SINGLE_MODES: the one-GPU run again in these modes, against
+# itself (with CHECK_LAYOUTS= empty only these run, on one GPU). For each run it also prints how long the job took to
+# exit after its last iteration (a job that does not exit is stopped after EXIT_WAIT s).
+#   [CHECK_LAYOUTS="dp2 dp2_distopt tp2_sp pp2 pp2_vp"] (also tp2_sp_overlap: --tp-comm-overlap) [MODES="eager graphs"]
+#   [REPEATS=3] [SINGLE_MODES="eager compiled"] bash bench/gpu_layout_losses.sh
 # Outputs under ${RESULTS:-bench_results}/layout_losses.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,7 +57,7 @@ for layout in ${CHECK_LAYOUTS-dp2 dp2_distopt tp2_sp pp2 pp2_vp}; do
     [[ -v LAYOUT[$layout] ]] || { echo "CHECK_LAYOUTS: $layout is none of ${!LAYOUT[*]}" >&2; exit 2; }
     for mode in ${MODES:-eager graphs}; do
         flags=$(mode_flags "$mode") || exit 2
-        repeats=1; [[ $mode == graphs ]] && repeats=${REPEATS:-1}
+        repeats=${REPEATS:-1}; [[ $mode == eager ]] && repeats=1
         for ((k = 1; k <= repeats; k++)); do
             runs+=("${layout}$([[ $mode == eager ]] || echo "_$mode")$( ((k > 1)) && echo "_$k")|${LAYOUT[$layout]} $flags")
         done
@@ -66,8 +67,11 @@ launch single 0 29600
 names=()
 for mode in ${SINGLE_MODES:-}; do
     flags=$(mode_flags "$mode") || exit 2
-    launch "single_$mode" 0 29600 $flags
-    names+=("single_$mode=$OUTDIR/single_$mode.log")
+    for ((k = 1; k <= ${REPEATS:-1}; k++)); do
+        name=single_$mode$( ((k > 1)) && echo "_$k")
+        launch "$name" 0 29600 $flags
+        names+=("$name=$OUTDIR/$name.log")
+    done
 done
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 slots=$((GPUS >= 4 ? 2 : 1))  # two runs at a time where four GPUs are found

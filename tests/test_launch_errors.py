@@ -89,6 +89,9 @@ CASES = {
         MOCK + ["--compile-transformer-layers", "--training-ws-port", "8765"], {},
         "--training-ws-port reads and edits activations inside the layers from hooks, which "
         "--compile-transformer-layers compiles away; drop one of them"),
+    "compiled layers with attention dropout": (
+        MOCK + ["--compile-transformer-layers", "--attention-dropout", "0.1"], {},
+        "--compile-transformer-layers needs --attention-dropout 0 (got 0.1)"),
     "compiled layers with per-layer tracing": (
         MOCK + ["--compile-transformer-layers", "--trace", "--trace-interval", "3", "--trace-granularity", "full"], {},
         "--trace-granularity full times every layer's halves from Python, which --compile-transformer-layers"),

@@ -150,6 +150,12 @@ def _validate_kernels(args):
     _require(not (args.deterministic_mode and not on_cpu and args.attention_backend not in ("local", "unfused")),
              f"--deterministic-mode on GPUs needs --attention-backend local or unfused (got "
              f"{args.attention_backend}): the fused attention kernels' backward accumulates with atomics")
+    # Attention dropout forks megatron-core's RNG tracker inside the layer; dynamo cannot trace the generator
+    # state's swap, so the layer falls back to eager in pieces (on a GPU the first iteration did not end in 2 min).
+    _require(not (args.compile_transformer_layers and args.attention_dropout > 0),
+             f"--compile-transformer-layers needs --attention-dropout 0 (got {args.attention_dropout}): attention "
+             f"dropout swaps the RNG state inside the layer, which compiled code cannot follow; set it to 0 or drop "
+             f"the flag")
     if args.enable_cuda_graph:
         _require(args.cuda_graph_impl in (None, "local"),
                  "--enable-cuda-graph means --cuda-graph-impl local; give only one of them")
