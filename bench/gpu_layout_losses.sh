@@ -52,26 +52,30 @@ mode_flags() {  # mode: the flags that put a run in it
     esac
 }
 
+named_runs() {  # name, mode, layout flags...: "name|flags" per run of the mode (REPEATS of them, but one eager run)
+    local name=$1 mode=$2 flags repeats=${REPEATS:-1} k; shift 2
+    flags=$(mode_flags "$mode") || return 2
+    [[ $mode == eager ]] && repeats=1
+    for ((k = 1; k <= repeats; k++)); do echo "$name$( ((k > 1)) && echo "_$k")|$* $flags"; done
+}
+
 runs=()  # name and flags, run two at a time (GPUs 0,1 and 2,3)
 for layout in ${CHECK_LAYOUTS-dp2 dp2_distopt tp2_sp pp2 pp2_vp}; do
     [[ -v LAYOUT[$layout] ]] || { echo "CHECK_LAYOUTS: $layout is none of ${!LAYOUT[*]}" >&2; exit 2; }
     for mode in ${MODES:-eager graphs}; do
-        flags=$(mode_flags "$mode") || exit 2
-        repeats=${REPEATS:-1}; [[ $mode == eager ]] && repeats=1
-        for ((k = 1; k <= repeats; k++)); do
-            runs+=("${layout}$([[ $mode == eager ]] || echo "_$mode")$( ((k > 1)) && echo "_$k")|${LAYOUT[$layout]} $flags")
-        done
+        mode_flags "$mode" > /dev/null || exit 2
+        mapfile -t -O "${#runs[@]}" runs < <(named_runs "$layout$([[ $mode == eager ]] || echo "_$mode")" "$mode" \
+                                              ${LAYOUT[$layout]})
     done
 done
 launch single 0 29600
 names=()
 for mode in ${SINGLE_MODES:-}; do
-    flags=$(mode_flags "$mode") || exit 2
-    for ((k = 1; k <= ${REPEATS:-1}; k++)); do
-        name=single_$mode$( ((k > 1)) && echo "_$k")
+    mode_flags "$mode" > /dev/null || exit 2
+    while IFS='|' read -r name flags; do
         launch "$name" 0 29600 $flags
         names+=("$name=$OUTDIR/$name.log")
-    done
+    done < <(named_runs "single_$mode" "$mode")
 done
 GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
 slots=$((GPUS >= 4 ? 2 : 1))  # two runs at a time where four GPUs are found
