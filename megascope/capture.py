@@ -48,7 +48,23 @@ class Record:
                 "dims": list(self.dims), "reduction": str(self.reduction)}
 
 
-def _record_order(record):
+def whole_over_tp(name, tensor, sequence_parallel, vocab_shard_size):
+    """What a hook site read on this tensor-parallel rank, gathered over the TP group into the whole tensor
+    (collective). ``vocab_shard_size()``: the output layer's columns on one rank (logits already whole are kept);
+    asked for logits only, which only the last pipeline stage has."""
+    tp = parallel_state.get_tensor_model_parallel_group()
+    layout = FUSED_QKV if name == QKV else HOOK_SITES[name].layout
+    if name == "logits" and tensor.size(-1) != vocab_shard_size():
+        return tensor  # inference gathers the vocabulary itself (runtime_gather_output)
+    if layout in (COLUMNS, FUSED_QKV):
+        return all_gather_along(tensor, -1, tp)
+    if layout == HEADS:
+        return all_gather_along(tensor, 2, tp)
+    return all_gather_along(tensor, 0, tp) if sequence_parallel else tensor
+
+
+def record_order(record):
+    """The order of a step's records on the wire: the embedding, each layer's hooks in forward order, the rest."""
     position = 0 if record.hook == "embed" else 2 if record.layer is None else 1
     hook_rank = CAPTURED.index(record.hook) if record.hook in CAPTURED else len(CAPTURED)
     return position, record.layer or 0, hook_rank, record.prompt_index
@@ -107,17 +123,6 @@ class Capture:
         self.step_tokens = hidden.size(0) * split
 
     # -- collect ------------------------------------------------------------------------------
-    def _gather_tp(self, name, tensor):
-        tp = parallel_state.get_tensor_model_parallel_group()
-        layout = FUSED_QKV if name == QKV else HOOK_SITES[name].layout
-        if name == "logits" and tensor.size(-1) != self._vocab_shard_size():
-            return tensor  # inference gathers the vocabulary itself (runtime_gather_output)
-        if layout in (COLUMNS, FUSED_QKV):
-            return all_gather_along(tensor, -1, tp)
-        if layout == HEADS:
-            return all_gather_along(tensor, 2, tp)
-        return all_gather_along(tensor, 0, tp) if self.config.sequence_parallel else tensor
-
     def _vocab_shard_size(self):
         return next(model.output_layer.output_size_per_partition for model in self.models if model.post_process)
 
@@ -125,7 +130,7 @@ class Capture:
         """{(hook, layer): [s, b, ...] unsharded} from this rank's hooks; collective over the TP group."""
         whole = {}
         for (name, layer), tensor in sorted(self.stored.items()):
-            full = self._gather_tp(name, tensor)
+            full = whole_over_tp(name, tensor, self.config.sequence_parallel, self._vocab_shard_size)
             if name == QKV:
                 config = self.config
                 q, k, v = split_fused_qkv(full, config.num_attention_heads,
@@ -185,4 +190,4 @@ def _gather_to_first_rank(records):
     received = gather_objects(records, parallel_state.get_model_parallel_group(), 0)
     if received is None:
         return []
-    return sorted((r for part in received for r in part), key=_record_order)
+    return sorted((r for part in received for r in part), key=record_order)

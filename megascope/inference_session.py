@@ -2,26 +2,36 @@
 
 ``InferenceSession`` (rank 0, on the WebSocket thread) checks requests and queues generations on the
 GenerationService; ``ScopeObserver`` (every rank) runs around each generation step: it applies rank 0's
-control messages (cancel, a new capture, perturbations) on every rank at the same step, wraps the forward
-in megascope's ``Capture``, and on rank 0 streams tokens, logit lens, data frames and the PCA to the client.
-See docs/megascope_protocol.md.
+control messages (cancel, a new capture, perturbations) on every rank at the same step, reads the capture, and on
+rank 0 streams tokens, logit lens, data frames and the PCA to the client.
+
+Where the engine runs a generation on its static cache (one pipeline stage; on a GPU each decode step a CUDA graph),
+the capture is a ``CapturePlan`` compiled into the step and rank 0 streams from a thread (``StepStream``) while the
+model runs on. Patches and attribution hook megatron-core's own inference path eagerly (``Capture``, ``Patcher``,
+``Attribution``): a generation that starts with them runs there, as does every generation at pipeline parallelism
+or with calculation noise active. A perturbation sent during a generation on the static cache applies from the next
+generation (a graph replays the kernels it captured). See docs/megascope_protocol.md.
 """
 
 import contextlib
 import dataclasses
 import logging
+import sys
 import threading
 
 import numpy as np
 import torch
 
 from megascope.attribution import Attribution
-from megascope.capture import Capture
+from megascope.capture import Capture, record_order
+from megascope.capture_plan import CapturePlan, records
 from megascope.capture_spec import parse_capture
 from megascope.errors import ProtocolError
+from megascope.hooks import unwrap_model
 from megascope.patching import Patch, Patcher, parse_patches
 from megascope.pca import pca_2d
 from megascope.perturbations import PerturbationSet, parse_perturbations
+from megascope.step_stream import PatientSender, StepStream
 from megascope.welcome import welcome_info
 from megascope.wire import echo_id, encode_data_frame, error_message
 from megatron.inference.engine import NonFiniteLogits, NoObserver
@@ -32,14 +42,16 @@ from megatron.inference.service import Job, pick_seed
 
 log = logging.getLogger("megascope.inference")
 DEFAULT_TOPK = 5
+# The model thread releases the GIL while it waits for each step on the GPU; the stream and WebSocket threads then
+# encode and send. Python takes the GIL back from a busy thread only after the switch interval (5 ms by default),
+# which a streaming generation paid on every step (GPT-1B-sized steps take 4 ms): a short one gives it back at once.
+SWITCH_INTERVAL_SECONDS = 0.0002
 _DEFAULT_LIMITS = Limits()  # frozen: one shared default instance
 
 
 class ScopeObserver(NoObserver):
     """One generation seen from one rank. ``scope``: {"id", "capture": JSON or None, "patch": [checked patches]}
     (the job's payload); ``client`` and ``session`` only on rank 0."""
-
-    hooks_model = True  # capture and perturbations can start at any step: megatron-core's own inference path
 
     def __init__(self, scope, model, args, client=None, session=None):
         self.id = scope["id"]
@@ -58,6 +70,26 @@ class ScopeObserver(NoObserver):
         self.last_position = {}  # prompt index -> the position of its last token, once it has finished
         self.steps_read = (0, 0)  # (steps run, end of the positions read): every row read [0, end)
         self.device = next(model[0].parameters()).device
+        self.static = False  # runs on the engine's static cache: the capture is compiled into each step
+        self.plan = None     # the CapturePlan of self.spec there
+        self.stream = None   # rank 0 there: the thread that streams each step
+        self.frames = PatientSender(client) if client is not None else None  # rank 0: every data frame goes here
+
+    # -- the path: the static cache unless a feature hooks megatron-core's own path eagerly --
+    def core_path(self):
+        return bool(self.patches) or bool(self.spec and self.spec.attribution)
+
+    def path_chosen(self, static_cache):
+        self.static = static_cache
+        if static_cache and self.client is not None:
+            self.stream = StepStream(self.device)
+
+    def readout(self, index, start, end):
+        if self.spec is None or not any(self.spec.wants_token(position) for position in range(start, end)):
+            return None
+        if self.plan is None or self.plan.spec is not self.spec:
+            self.plan = CapturePlan(self.spec, unwrap_model(self.model[0]).config)
+        return self.plan
 
     # -- control: rank 0 drains the session's mailbox; every rank applies it at the same step --
     def poll(self):
@@ -71,7 +103,7 @@ class ScopeObserver(NoObserver):
             return False
         if "capture" in control:
             self.spec = parse_capture(control["capture"], self.args.num_layers)
-        if "perturbations" in control:
+        if "perturbations" in control and not self.static:  # else the service applies them after this generation
             apply_perturbations(self.model, self.args, control["perturbations"])
         return bool(control.get("cancel"))
 
@@ -84,13 +116,15 @@ class ScopeObserver(NoObserver):
             around.enter_context(Patcher(self.model, self.patches, start))
             for positions, patch in zip(self.patched, self.patches):
                 positions.extend(patch.positions_within(start, end))
-        if self.spec is not None:
+        if self.spec is not None and not self.static:
             self.capture = around.enter_context(Capture(self.model, self.spec, self.args))
             if self.spec.attribution:
                 self.attribution = around.enter_context(Attribution(self.model))
         return around
 
     def step_done(self, step):
+        if self.static:
+            return self._stream_from_thread(step)
         records = self.capture.collect(step=step.index, token_offset=step.start) if self.capture is not None else []
         attributions = [] if self.attribution is None else self.attribution.collect(step.draw.tokens, step.sampled,
                                                                                      step.end)
@@ -100,16 +134,47 @@ class ScopeObserver(NoObserver):
             return
         # a finished prompt's row is streamed up to its last token, then it is padding, not text
         windows = {row: (0, position + 1) for row, position in self.last_position.items()}
-        self._stream(records, step.index, windows, {row: step.end - 1 for row in range(len(step.draw.tokens))})
+        self._stream(records, step.index, windows, {row: step.end - 1 for row in range(len(step.draw.tokens))},
+                     self.spec)
         for attribution in attributions:
-            self.client.send_data(attribution.data_frame(self.id, step.index))
+            self.frames.send_data(attribution.data_frame(self.id, step.index))
         self.last_position.update({row: step.end for row in step.finished})
         self._send_tokens(step)
+
+    def _stream_from_thread(self, step):
+        """The static cache's step: rank 0 hands its packed capture (still on the device) and what the step chose
+        to the stream's thread, which sends what the step above sends, in the same order."""
+        self.steps_read = (step.index + 1, step.end)
+        if self.client is None:
+            return
+        windows = {row: (0, position + 1) for row, position in self.last_position.items()}
+        lens_positions = {row: step.end - 1 for row in range(len(step.draw.tokens))}
+        self.last_position.update({row: step.end for row in step.finished})
+        packed, spec = step.readout, self.spec
+
+        def send(host_values):
+            step_records = [] if packed is None else sorted(
+                records(host_values, packed.slots, spec, step.start, step.end), key=record_order)
+            self._stream(step_records, step.index, windows, lens_positions, spec)
+            self._send_tokens(step)
+        self.stream.submit(None if packed is None else packed.values, send)
+
+    def close_stream(self):
+        """Rank 0: every step streamed (the stream's thread ends)."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
     def after(self, generation):
         """Every rank: one final forward over the whole texts, for the positions no step read (each prompt's
         last token, chosen by the last step that ran for it), so that data frames and PCA cover every token of
         every prompt exactly once. With no capture: nothing."""
+        if self.stream is not None:
+            self.stream.flush()  # every step's frames first
+        self._read_last_tokens(generation)
+        self.close_stream()
+
+    def _read_last_tokens(self, generation):
         if self.spec is None:
             return
         steps, read_end = self.steps_read
@@ -124,9 +189,9 @@ class ScopeObserver(NoObserver):
             records = capture.collect(step=steps, token_offset=0)
         if self.client is not None:
             self._stream(records, steps, {row: (read_end, length) for row, length in enumerate(lengths)},
-                         {row: length - 1 for row, length in enumerate(lengths)})
+                         {row: length - 1 for row, length in enumerate(lengths)}, self.spec)
 
-    def _stream(self, records, step, windows, lens_positions):
+    def _stream(self, records, step, windows, lens_positions, spec):
         """Rank 0: send ``records`` cut to each prompt's window [first, end) of positions (all when it has
         none) as data frames, and the logit lens at each prompt's position in ``lens_positions``."""
         lens = {}  # prompt index -> its layers' top-k
@@ -138,18 +203,18 @@ class ScopeObserver(NoObserver):
                 if record.token_start + record.values.shape[0] - 1 == lens_positions[record.prompt_index]:
                     lens.setdefault(record.prompt_index, []).append(self._lens_layer(record))
                 continue
-            if self._wanted_by_pca(record):
+            if self._wanted_by_pca(record, spec):
                 self.pca_vectors.setdefault(record.layer, []).append(
                     (record.prompt_index, record.token_start, record.values.numpy()))
-            self.client.send_data(encode_data_frame(record.frame_header(self.id, step), record.values))
+            self.frames.send_data(encode_data_frame(record.frame_header(self.id, step), record.values))
         for prompt_index, layers in sorted(lens.items()):
             self.client.send({"type": "logit_lens", "id": self.id, "step": step,
                               "prompt_index": prompt_index, "layers": layers})
 
-    def _wanted_by_pca(self, record):
+    def _wanted_by_pca(self, record, spec):
         """Whether ``record`` holds vectors of the PCA hook at a layer the PCA covers (pca.layer null: every
         captured layer of a per-layer hook, so the page can show any of them without generating again)."""
-        pca = self.spec.pca
+        pca = spec.pca
         return pca is not None and record.hook == pca.hook and pca.layer in (None, record.layer) \
             and str(record.reduction) == "none"
 
@@ -236,6 +301,7 @@ class InferenceSession:
         self._control = {}            # client -> pending control for its running generation
         self._captures = {}           # client -> its set_capture spec (JSON)
         self._numbers = 0
+        sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
 
     def on_welcome(self, client):
         pass  # generations start from the client's requests: nothing to tell at once
@@ -301,6 +367,7 @@ class InferenceSession:
 
     def _finish(self, client, job):
         job.done.wait()
+        job.observer.close_stream()  # a generation that failed never reached its last step's after()
         with self._lock:
             self._running.pop(client, None)
             self._control.pop(client, None)  # came after the last step: _perturb queued its control job too

@@ -53,24 +53,37 @@ class Reduction:
         if self.kind == "mean_heads" and "head" not in dims:
             raise ProtocolError("bad_reduction", f"mean_heads needs a hook with heads; {hook!r} has none", field)
 
-    def apply(self, values, dims):
-        """values [tokens, *dims] (float32) -> (reduced values [tokens, ...], their dims after the token dim)."""
+    def dims_after(self, dims):
+        """The dims after the token dim of what ``apply`` returns for values of ``dims``."""
         dims = list(dims)
-        if self.kind == "none":
-            return values, dims
+        if self.kind in ("none", "slice"):
+            return dims
         if self.kind == "norm":
-            return values.norm(dim=-1), dims[:-1]
+            return dims[:-1]
         if self.kind == "mean_heads":
-            axis = dims.index("head")
-            return values.mean(dim=axis + 1), dims[:axis] + dims[axis + 1:]  # values have the token dim first
+            return [dim for dim in dims if dim != "head"]
+        if self.kind == "bins":
+            return dims[:-1] + [f"{dims[-1]}_bin"]
+        return dims[:-1] + ["topk", "index_value"]
+
+    def apply(self, values, dims):
+        """values [tokens, *dims] (float32, on any device) -> (reduced values [tokens, ...], their dims after the
+        token dim)."""
+        reduced_dims = self.dims_after(dims)
+        if self.kind == "none":
+            return values, reduced_dims
+        if self.kind == "norm":
+            return values.norm(dim=-1), reduced_dims
+        if self.kind == "mean_heads":
+            return values.mean(dim=list(dims).index("head") + 1), reduced_dims  # values have the token dim first
         if self.kind == "slice":
             start, end = self.args
-            return values[..., start:end], dims
+            return values[..., start:end], reduced_dims
         if self.kind == "bins":
             n = min(self.args[0], values.size(-1))
             pooled = torch.nn.functional.adaptive_avg_pool1d(values.reshape(-1, 1, values.size(-1)), n)
-            return pooled.reshape(*values.shape[:-1], n), dims[:-1] + [f"{dims[-1]}_bin"]
+            return pooled.reshape(*values.shape[:-1], n), reduced_dims
         k = min(self.args[0], values.size(-1))
         indices = values.abs().topk(k, dim=-1).indices
         pairs = torch.stack([indices.float(), values.gather(-1, indices)], dim=-1)
-        return pairs, dims[:-1] + ["topk", "index_value"]
+        return pairs, reduced_dims

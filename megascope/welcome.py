@@ -15,4 +15,14 @@ def welcome_info(args, vocab_size):
                       "vocab_size": vocab_size, "tp": args.tensor_model_parallel_size,
                       "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
             "hooks": captured_full_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES),
-            "perturbation_targets": {kind: list(targets) for kind, targets in PERTURBATION_TARGETS.items()}}
+            "perturbation_targets": {kind: list(targets) for kind, targets in PERTURBATION_TARGETS.items()},
+            "eager": EAGER_FEATURES}
+
+
+# What a generation runs on megatron-core's eager inference path for, rather than on the static cache where the
+# capture is compiled into each (CUDA-graphed) step, and why (megascope/inference_session.py).
+EAGER_FEATURES = {
+    "patch": "a patch writes the positions of each step, which a graph cannot follow",
+    "attribution": "attribution reads the token each step chose, after the step",
+    "calculation": "calculation noise draws new noise in every forward, which a graph would replay",
+}

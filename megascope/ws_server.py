@@ -93,6 +93,7 @@ class Client:
         self.dropped_total = 0      # data frames dropped since the connection opened
         self._dropped_unreported = 0
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified as the data queue drains
         self._sequence = itertools.count()
         self._control = collections.deque()   # (sequence, text): never dropped
         self._data = collections.deque()      # (sequence, bytes): bounded, oldest dropped
@@ -106,6 +107,19 @@ class Client:
     def send_data(self, frame):
         """Queue a binary data frame; thread-safe, never blocks; the oldest data frame goes when full."""
         self._put(self._data, frame)
+
+    def wait_for_room(self, timeout):
+        """Block until the data queue has room for more frames without dropping any (or the connection closed);
+        False when it had none for ``timeout`` seconds: the client is not reading."""
+        with self._room:
+            return self._room.wait_for(
+                lambda: self.closed or len(self._data) < self.server.limits.send_queue_frames // 2, timeout)
+
+    def mark_closed(self):
+        """The connection is gone: nothing more is queued, and a thread waiting for room goes on."""
+        with self._room:
+            self.closed = True
+            self._room.notify_all()
 
     def _put(self, queue, item):
         if self.closed:
@@ -127,6 +141,7 @@ class Client:
             if self._control and (not self._data or self._control[0][0] < self._data[0][0]):
                 return self._control.popleft()[1]
             if self._data:
+                self._room.notify_all()
                 return self._data.popleft()[1]
             self._wake.clear()
             return None
@@ -247,7 +262,7 @@ class WebSocketServer:
         except websockets.ConnectionClosed:
             pass
         finally:
-            client.closed = True
+            client.mark_closed()
             self.clients.discard(client)
             sender.cancel()
             if client.welcomed:

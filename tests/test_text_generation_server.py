@@ -571,7 +571,9 @@ def patched_runs(url, token=None):
     1's last residual in prompt 0 (at the prompt's last position; at every position), with heads of prompt 1,
     and with every MLP output zeroed."""
     with MegaScopeClient(url, token=token) as scope:
-        plain = scope.generate(PAIR, capture=LOGITS, **SEEDED)
+        # Patched generations run on megatron-core's eager path (welcome.eager): so does the plain one they are
+        # compared with bit for bit, which asking for attribution does.
+        plain = scope.generate(PAIR, capture={**LOGITS, "attribution": True}, **SEEDED)
         own = scope.patch(PAIR, [{"hook": "resid_post", "source": {"prompt": row}, "prompts": [row]}
                                  for row in (0, 1)], capture=LOGITS, **SEEDED)
         transplant = scope.patch(PAIR, TRANSPLANT, capture=LOGITS, **SEEDED)

@@ -1,8 +1,10 @@
 """Text generation with a KV cache at any TP/PP (and DP replicas), on CPU or GPU.
 
-A plain generation (nothing hooks the model) on one pipeline stage runs on megatron/inference/static_cache.py:
-megatron-core's modules over a preallocated KV cache, each decode step replayed as a CUDA graph on a GPU. Otherwise
-the KV cache is megatron-core's ``StaticInferenceContext`` handed to ``GPTModel.forward``; with pipeline
+A generation on one pipeline stage runs on megatron/inference/static_cache.py: megatron-core's modules over a
+preallocated KV cache, each decode step replayed as a CUDA graph on a GPU; what an observer reads out of a step
+(MegaScope's capture) is compiled into that step (``NoObserver.readout``). Otherwise (pipeline stages, sequence
+parallelism, or an observer that hooks the model eagerly: ``NoObserver.core_path``) the KV cache is megatron-core's
+``StaticInferenceContext`` handed to ``GPTModel.forward``; with pipeline
 parallelism each forward goes through megatron-core's forward-only pipeline schedule (megatron/inference/
 greedy.py's ``logits``), so stages pass activations as in training. A small-batch step is bound by host time
 (Python and op dispatch), hence ``torch.inference_mode`` (less per-op bookkeeping than ``no_grad``). Prompts of
@@ -60,6 +62,7 @@ class Step:
     sampled: list
     finished: list
     draw: Draw
+    readout: torch.Tensor | None = None  # the packed tensor of the step's readout (static cache path), on device
 
 
 @dataclass
@@ -81,9 +84,17 @@ def _pairs(ids, values):
 class NoObserver:
     """What ``generate`` calls around each step; a session overrides it to stream and capture."""
 
-    # Whether forward hooks on the model's modules must see megatron-core's own inference path (MegaScope's
-    # capture and perturbations); a plain generation may run on the static cache instead.
-    hooks_model = False
+    def core_path(self):
+        """Every rank, before the first step: whether this generation's forward hooks need megatron-core's own
+        inference path (eager, every hook sees the tensors it expects) rather than the static cache."""
+        return False
+
+    def path_chosen(self, static_cache):
+        """Every rank: the path the generation runs on (``static_cache``: the static cache, else megatron-core's)."""
+
+    def readout(self, index, start, end):
+        """Every rank, on the static cache path: the ``StepReadout`` of this step (positions [start, end)) or None."""
+        return None
 
     def poll(self):
         """Rank 0: a control message for every rank (a dict) or None."""
@@ -102,6 +113,12 @@ class NoObserver:
 
     def after(self, generation):
         """Every rank, after the last step (still in inference mode): the last tokens chosen were never read."""
+
+
+def _hooked(model):
+    """Whether forward hooks sit on ``model``'s modules (MegaScope's calculation noise): they act in eager code
+    only, and a CUDA graph would replay what they did at its capture."""
+    return any(module._forward_hooks or module._forward_pre_hooks for module in model.modules())
 
 
 def agree(obj, device):
@@ -154,7 +171,9 @@ class GenerationEngine:
         logprobs = [[] for _ in prompts] if params.logprobs else None
         best = [[] for _ in prompts] if params.logprobs and params.top_logprobs else None
 
-        cache = self._static_cache(batch, total, observer) or StaticInferenceContext(batch, total)
+        static = self._static_cache(batch, total, observer)
+        observer.path_chosen(static is not None)
+        cache = static or StaticInferenceContext(batch, total)
         start, position, index = 0, min(lengths), 0
         while True:
             if observer.apply(agree_in_replica(observer.poll, self.device)):
@@ -162,7 +181,8 @@ class GenerationEngine:
                 break
             inputs = tokens[:, start:position].to(self.device)
             with observer.forward(index, start, position):
-                step_logits = self._logits(inputs, start, cache, params.logprobs and index == 0)
+                readout = observer.readout(index, start, position) if static else None
+                step_logits, packed = self._logits(inputs, start, cache, params.logprobs and index == 0, readout)
                 if logprobs is not None and index == 0:
                     values, best_ids, best_values = self._prompt_logprobs(step_logits, inputs, params.top_logprobs)
                     for row in range(batch):
@@ -193,7 +213,7 @@ class GenerationEngine:
                                 best[row].extend(_pairs(chosen.best_ids[row:row + 1],
                                                         chosen.best_logprobs[row:row + 1]))
                 finished = [row for row in sampled if finish[row] is not None]
-                observer.step_done(Step(index, start, position, sampled, finished, chosen))
+                observer.step_done(Step(index, start, position, sampled, finished, chosen, packed))
             if isinstance(cache, StaticInferenceContext):
                 cache.increment_sequence_len_offset(position - start)
                 cache.enable_decode_mode()
@@ -212,7 +232,7 @@ class GenerationEngine:
         sequence parallelism, hooks). Kept for the next generation of the same batch size and cache length: the
         length is rounded up to a power of two so that requests of similar lengths share one CUDA graph."""
         model = unwrap_model(self.model[0])
-        if (not self.static_cache or observer.hooks_model or len(self.model) != 1
+        if (not self.static_cache or observer.core_path() or len(self.model) != 1 or _hooked(model)
                 or not supports(model, model.config)):
             return None
         length = min(1 << (total - 1).bit_length(), self.max_sequence_length)
@@ -223,15 +243,16 @@ class GenerationEngine:
                                                         self.cuda_graphs and self.device.type == "cuda")
         return self._static_models[key]
 
-    def _logits(self, inputs, start, cache, all_positions):
-        """The last stage's [b, s or 1, vocab] float32 logits over the tokenizer's vocabulary, else None.
-        ``cache``: a ``StaticCacheModel`` or megatron-core's ``StaticInferenceContext``."""
+    def _logits(self, inputs, start, cache, all_positions, readout):
+        """(The last stage's [b, s or 1, vocab] float32 logits over the tokenizer's vocabulary, else None; the packed
+        readout or None). ``cache``: a ``StaticCacheModel`` or megatron-core's ``StaticInferenceContext``."""
+        packed = None
         if isinstance(cache, StaticCacheModel):
-            output = cache.logits(inputs, start, all_positions)
+            output, packed = cache.logits(inputs, start, all_positions, readout)
         else:
             cache.materialize_only_last_token_logits = not all_positions
             output = forward_logits(self.model, inputs, start, inference_context=cache)
-        return None if output is None else output[..., :self.vocab_size].float()
+        return (None if output is None else output[..., :self.vocab_size].float()), packed
 
     def _from_last_stage(self, tensor, shape, dtype):
         """``tensor`` of the last pipeline stage on every stage (as is without pipeline parallelism)."""
@@ -264,8 +285,10 @@ class GenerationEngine:
         best = min(params.top_logprobs, self.vocab_size)
         packed = None
         if step_logits is not None:
-            last = step_logits[:, -1].cpu()  # the one copy to the host: the check and the draw both read it
-            finite = torch.isfinite(last).all(dim=-1)
+            # The check runs where the logits are (a pass over the vocabulary is slow on the host); the draw reads
+            # the one copy to the host.
+            finite = torch.isfinite(step_logits[:, -1]).all(dim=-1).cpu()
+            last = step_logits[:, -1].cpu()
             if finite.all():
                 chosen = draw(last, params, generators, forced)
             else:

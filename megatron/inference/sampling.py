@@ -73,7 +73,10 @@ def draw(logits, params, generators, forced=None):
     probs = sampling_distribution(logits, params)
     tokens = torch.full((probs.shape[0],), -1, dtype=torch.long) if forced is None else forced.cpu().clone()
     for row in (tokens < 0).nonzero().flatten().tolist():
-        tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row]).item()
+        if params.top_k == 1:  # the one-hot's token: what multinomial would draw, without its pass over the vocabulary
+            tokens[row] = int(probs[row].argmax())
+        else:
+            tokens[row] = torch.multinomial(probs[row], 1, generator=generators[row]).item()
     k = min(params.topk_report, probs.shape[-1])
     topk_probs, topk_ids = probs.topk(k, dim=-1)
     rows = torch.arange(tokens.shape[0])

@@ -10,11 +10,23 @@ tensor and hands the layer's own core attention the whole cache, the positions a
 frequencies are picked from a precomputed table by the same device positions. Every decode step then has the same
 shapes and no host-side state: on a GPU the first one is captured in a CUDA graph, the others replay it.
 
-Used by the engine for one pipeline stage without sequence parallelism, when nothing hooks the model (MegaScope's
-capture and perturbations need megatron-core's own path, where every hook sees the tensors it expects).
+A step may carry a ``StepReadout`` (MegaScope's compiled capture): module hooks whose device ops read and reduce
+what the model computes, packed into one flat tensor at the end of the forward. Its hooks are live while a graph is
+captured, so their kernels are part of the graph and every replay writes the packed tensor again; a graph is kept
+per readout (``readout.key``; None: the plain step), the least recently used dropped past ``MAX_GRAPHS``.
+
+Used by the engine for one pipeline stage without sequence parallelism, unless a generation asks for what only
+megatron-core's own path does (MegaScope's patches, perturbations and attribution hook into it eagerly).
 """
 
+import collections
 import contextlib
+import logging
+import time
+from collections.abc import Hashable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -24,6 +36,26 @@ from megatron.training.sdpa_attention import SDPAttention
 
 # Core attentions that take a boolean mask (True = masked out) over keys longer than the queries.
 _MASKABLE_CORE_ATTENTION = (SDPAttention, DotProductAttention)
+MAX_GRAPHS = 4  # decode-step graphs kept per cache: each holds its own activation memory
+log = logging.getLogger("megatron.inference")
+
+
+class StepReadout(Protocol):
+    """What a step reads out of the model besides its logits, as device ops (megascope/capture_plan.py)."""
+    key: Hashable  # equal keys read the same: they share a graph
+
+    def reading(self, model) -> AbstractContextManager:
+        """Hooks on ``model`` (one unwrapped GPTModel) for the duration of one forward."""
+
+    def pack(self) -> torch.Tensor:
+        """After the forward, inside the captured region: one flat tensor of everything the hooks read."""
+
+
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    logits: torch.Tensor
+    packed: torch.Tensor | None
 
 
 class _CacheState:
@@ -78,25 +110,31 @@ class StaticCacheModel:
             keys, values = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
             self.wrappers.append(CachedCoreAttention(attention.core_attention, keys, values, self.state))
         self.rotary = model.rotary_pos_emb(length) if model.position_embedding_type == "rope" else None
-        # The CUDA graph of a one-token step and its static input and output tensors.
+        # The CUDA graphs of a one-token step (one per readout key) and their static input tensors.
         self.cuda_graphs = cuda_graphs and all(isinstance(w.inner, SDPAttention) for w in self.wrappers)
-        self.graph = None
+        self.graphs = collections.OrderedDict()
         self.step_tokens = torch.zeros(batch, 1, dtype=torch.long, device=device)
         self.step_position = torch.zeros(1, dtype=torch.long, device=device)
-        self.step_logits = None
 
-    def logits(self, tokens, start, all_positions):
-        """[b, n or 1, padded vocabulary] logits of ``tokens`` [b, n] at positions start..start+n-1, caching their
-        keys and values (``all_positions``: every position's logits, else the last one's)."""
+    def logits(self, tokens, start, all_positions, readout=None):
+        """([b, n or 1, padded vocabulary] logits, ``readout``'s packed tensor or None) of ``tokens`` [b, n] at
+        positions start..start+n-1, caching their keys and values (``all_positions``: every position's logits,
+        else the last one's). A graphed step's packed tensor is rewritten by the next replay: copy it first."""
         if tokens.shape[1] == 1 and self.cuda_graphs:
             self.step_tokens.copy_(tokens)
             self.step_position.fill_(start)
-            if self.graph is None:
-                self._capture()
-            self.graph.replay()
-            return self.step_logits.clone()
+            graph = self._graph(readout)
+            graph.graph.replay()
+            return graph.logits.clone(), graph.packed
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
-        return self._forward(tokens, positions, all_positions)
+        return self._read(tokens, positions, all_positions, readout)
+
+    def _read(self, tokens, positions, all_positions, readout):
+        if readout is None:
+            return self._forward(tokens, positions, all_positions), None
+        with readout.reading(self.model):
+            output = self._forward(tokens, positions, all_positions)
+        return output, readout.pack()
 
     def _forward(self, tokens, positions, all_positions):
         model, state = self.model, self.state
@@ -123,15 +161,30 @@ class StaticCacheModel:
             for attention, wrapper in zip(attentions, self.wrappers):
                 attention.core_attention = wrapper.inner
 
-    def _capture(self):
+    def _graph(self, readout):
+        """The graph of a one-token step with ``readout``, captured on first use."""
+        key = None if readout is None else readout.key
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            return self.graphs[key]
+        if len(self.graphs) >= MAX_GRAPHS:
+            self.graphs.popitem(last=False)
+        began = time.perf_counter()
+        self.graphs[key] = graph = self._capture(readout)
+        if readout is not None:
+            log.info("captured the decode step with readout %s in %.0f ms", key, (time.perf_counter() - began) * 1e3)
+        return graph
+
+    def _capture(self, readout):
         """Capture the one-token step. The warm-up runs compute exactly the step at hand (same tokens and position),
         so the cache entries they write are the ones the replay writes again."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):  # lazy initialisations (cuBLAS handles, workspaces) happen outside the graph
-                self._forward(self.step_tokens, self.step_position, all_positions=False)
+                self._read(self.step_tokens, self.step_position, False, readout)
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.step_logits = self._forward(self.step_tokens, self.step_position, all_positions=False)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits, packed = self._read(self.step_tokens, self.step_position, False, readout)
+        return _Graph(graph, logits, packed)
