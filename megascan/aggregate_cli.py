@@ -19,7 +19,7 @@ from megascan.aggregate.flight_recorder import FlightRecorderError, find_dumps, 
 from megascan.aggregate.loading import TRACE_FILE, TraceDirectoryError, describe
 from megascan.aggregate.merged_trace import MergedTrace, load_and_merge
 from megascan.aggregate.sqlite_export import write_sqlite
-from megascan.aggregate.trace_subset import SubsetError, parse_numbers, trace_subset
+from megascan.aggregate.trace_subset import SubsetError, left_out, parse_numbers, trace_subset, traced_iterations
 from megascan.detection.window_findings import judge_run
 from megascan.detection.window_verdicts import verdicts_text
 from megatron.training.atomic_file import replaced_on_success
@@ -91,8 +91,9 @@ def _timeline(merged, ranks, iterations):
         raise UsageError(error.flag, str(error)) from None
     shown = describe(sorted(part.ranks), "rank") + f" of {len(merged.ranks)}"
     if iterations is not None:
-        shown += ", " + describe(sorted(iterations & {i for t in merged.ranks.values() for i in t.iterations}),
-                                 "iteration")
+        shown += ", " + describe(sorted(iterations & traced_iterations(merged)), "iteration")
+    for line in left_out(merged, ranks, iterations):
+        print(f"warning: {line}", file=sys.stderr)
     return part, f" ({shown})"
 
 

@@ -18,6 +18,7 @@ from megascan.aggregate import load_and_merge
 from megascan.aggregate.chrome_trace import write_chrome_trace
 from megascan.aggregate.sqlite_export import write_sqlite
 from megascan.aggregate.trace_records import ComputeEvent
+from megascan.aggregate.trace_subset import spans_text
 from megascan.aggregate_cli import main
 from megascan.detection import detect
 from megascan.detection.compute import KnownTpWaits, operation_totals, tp_waits_known
@@ -431,13 +432,33 @@ def test_cli_writes_a_part_of_the_timeline(tmp_path, capsys):
     assert starts and starts == {e["id"] for e in events if e["ph"] == "f"}  # arrows among the ranks written
 
 
+def test_a_part_names_the_asked_for_ranks_and_iterations_it_leaves_out(tmp_path, capsys):
+    """--ranks 0,9 on an 8-rank run and --iterations 8-9 where only 9 was traced: the part holds rank 0's iteration 9,
+    and one warning per flag says what it left out and what the trace holds."""
+    write_run(tmp_path / "trace")
+    assert main(["-b", str(tmp_path / "trace"), "-o", str(tmp_path / "part.json"), "--ranks", "0,9",
+                 "--iterations", "8-9"]) == 0
+    captured = capsys.readouterr()
+    assert "Chrome trace (rank 0 of 8, iteration 9)" in captured.out
+    assert captured.err.splitlines() == [
+        "warning: --ranks: not in the merged trace, so left out of the Chrome trace: 9 (merged: 0-7)",
+        "warning: --iterations: not traced, so left out of the Chrome trace: 8 (traced: 4-5,9-10)"]
+    assert main(["-b", str(tmp_path / "trace"), "-o", str(tmp_path / "part.json"), "--ranks", "0-7"]) == 0
+    assert capsys.readouterr().err == ""  # all there: nothing to say
+    assert spans_text(list(range(0, 40, 2))) == "0,2,4,6,8,10,12,14 and 12 more spans"
+
+
 def _bad_inputs(tmp_path):
     """Command lines -> what their one line must say."""
     write_run(tmp_path / "trace")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "merged_only").mkdir()  # another run's merged timeline, copied where no rank trace is
+    write_chrome_trace(load_and_merge(tmp_path / "trace"), tmp_path / "merged_only" / "benchmark.json")
     return {
         ("-b", tmp_path / "nowhere"): "-b/--benchmark: ",
         ("-b", tmp_path / "empty"): "no benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json files in",
+        ("-b", tmp_path / "merged_only"): "holds no benchmark-data-{dp}-pipeline-{pp}-tensor-{tp}.json file, only "
+                                          "benchmark.json, the merged timeline of run ",
         ("-b", tmp_path / "trace", "-o", tmp_path / "no" / "dir" / "out.json"): "-o/--output: cannot write",
         ("-b", tmp_path / "trace", "--sqlite", tmp_path / "trace" / "benchmark-data-0-pipeline-0-tensor-0.json"):
             "--sqlite: ",
@@ -506,6 +527,7 @@ def test_compute_compares_only_the_passes_whose_tp_waits_were_recorded():
         event.start, event.end = start, start + 100.0
     waits = [(1020.0, 1060.0)]
     forwards_known = operation_totals(events, waits, "training", 0, False, KnownTpWaits(range(3, 4), False))
-    assert forwards_known == {("training", "forward", 0, 0): [60.0, 1]}
+    assert forwards_known == {("training", "forward", 0, 0): [60.0, 1, 3600.0]}
     both_known = operation_totals(events, waits, "training", 0, False, KnownTpWaits(range(3, 4), True))
-    assert both_known == {("training", "forward", 0, 0): [60.0, 1], ("training", "backward", 0, 0): [100.0, 1]}
+    assert both_known == {("training", "forward", 0, 0): [60.0, 1, 3600.0],
+                          ("training", "backward", 0, 0): [100.0, 1, 10000.0]}

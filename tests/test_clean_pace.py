@@ -59,3 +59,29 @@ def test_the_critical_path_estimate_stands_without_a_clean_window_or_a_loss(befo
     pace.account(loaded, len(before), [len(before)])
     assert loaded.suspects[0].delay_us == 500e3
     assert loaded.suspects[0].evidence == [f"{DELAY_PREFIX}it made the 2 traced iterations 500.0 ms longer"]
+
+
+def test_a_slow_rank_that_cost_the_job_under_the_bar_is_not_named_and_its_window_sets_the_pace():
+    """Estimated at 4 % of its window (no clean window before it to measure against): under the 5 % bar, so the
+    window names nobody, nor the victims that waited for that rank alone, and it is the pace of the next."""
+    pace = CleanPace()
+    cheap = _report(3000.0, slow=[(1, 120.0)])
+    cheap.victims = [{"rank": 0, "waited_for": [1]}, {"rank": 2, "waited_for": [1, 3]}]
+    pace.account(cheap, 0, [4, 5])
+    assert cheap.suspects == [] and cheap.victims == [{"rank": 2, "waited_for": [1, 3]}]
+    loaded = _report(3800.0, slow=[(1, 1100.0)])
+    pace.account(loaded, 1, [9, 10])
+    assert "than the 2 of window 0 (iterations 4-5)" in loaded.suspects[0].evidence[0]
+
+
+def test_where_a_window_measures_the_loss_the_bar_holds_the_measured_cost_not_the_estimate():
+    pace = CleanPace()
+    pace.account(_report(3000.0), 0, [4, 5])
+    slight = _report(3100.0, slow=[(1, 400.0)])  # estimated at 13 %, but the job lost 100 ms: 3 %
+    pace.account(slight, 1, [9, 10])
+    assert slight.suspects == []
+    late = _report(3600.0, slow=[(1, 100.0)])  # estimated at 3 %, the job lost 500 ms against window 1: 14 %
+    pace.account(late, 2, [14, 15])
+    assert [s.rank for s in late.suspects] == [1] and late.suspects[0].delay_us == pytest.approx(500e3)
+    assert "than the 2 of window 1 (iterations 9-10)" in late.suspects[0].evidence[0]
+

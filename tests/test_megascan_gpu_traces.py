@@ -5,12 +5,13 @@ from pathlib import Path
 
 import pytest
 from helpers.launch import run_script
+from helpers.online_windows import window_summaries
 
 from megascan.aggregate import load_and_merge
 from megascan.aggregate_cli import main
 from megascan.detection import detect
 from megascan.detection.window_verdicts import judge_windows
-from megascan.online_detection import WindowJudge, alert_line, summarize
+from megascan.online_detection import WindowJudge, alert_line
 
 DATA = Path(__file__).parent / "data"
 LATE_ONSET = DATA / "dp4_late_onset_h100"
@@ -91,22 +92,12 @@ def test_the_cost_of_a_slow_gpu_is_measured_against_the_last_window_that_named_n
     assert suspect.delay_us / 1e3 == pytest.approx(LOADED_CASES["tp2_load_rank1"][3], rel=0.05)
 
 
-def _window_summaries(directory):
-    """Every rank's summary of each window of a trace directory, as --trace-detect gathers them during the run."""
-    by_window = {}
-    for path in sorted(directory.glob("benchmark-data-*.json")):
-        metadata, *windows = (json.loads(line) for line in path.read_text().splitlines())
-        for line in windows:
-            by_window.setdefault(line["window"], []).append(summarize(metadata, line))
-    return [by_window[window] for window in sorted(by_window)]
-
-
 def test_online_alerts_name_the_culprit_kind_and_cost_that_the_offline_windows_name(capsys):
     """--trace-detect's judge, fed the ranks' summaries window after window, measures the cost against the same
     clean window as tools/aggregate.py does: each alert is the offline verdict of that window, word for word."""
     for case in LOADED_CASES:
         judge = WindowJudge()
-        alerts = [judge.window(summaries) for summaries in _window_summaries(LOADED_H200 / case)]
+        alerts = [judge.window(summaries) for summaries in window_summaries(LOADED_H200 / case)]
         offline = judge_windows(load_and_merge(LOADED_H200 / case))
         assert len(alerts) == len(offline)
         assert alerts == [alert_line(v.report, v.window, v.iterations) for v in offline], case

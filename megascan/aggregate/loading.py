@@ -29,6 +29,9 @@ _OP_KEYS = {"window": ("op", "kind", "group", "seq", "peer", "start_us", "end_us
 _OP_KINDS = ("collective", "send", "recv")
 _EVENT_KEYS = ("name", "start_us", "end_us")
 _LISTED = 8  # name at most this many ranks or files in one problem line
+# How tools/aggregate.py's merged timeline begins (chrome_trace.py): its process is named after the run
+_MERGED_TIMELINE = re.compile(rb'^\{"displayTimeUnit":"ms","traceEvents":\[\s*\{"ph":"M","name":"process_name",'
+                              rb'"pid":1,"args":\{"name":"MegaScan run ([^"]+)"')
 
 
 class TraceDirectoryError(Exception):
@@ -256,14 +259,35 @@ def _report_unequal_progress(files, problems):
                         f"missing {describe(lacking, 'iteration')}{note}")
 
 
+def _merged_timeline_of(path):
+    """The run a merged timeline written by tools/aggregate.py shows ('<run_id> (DP2 x PP2 x TP2)'), or None."""
+    try:
+        with open(path, "rb") as handle:
+            match = _MERGED_TIMELINE.match(handle.read(512))
+    except OSError:
+        return None
+    return match and match.group(1).decode(errors="replace")
+
+
+def _no_trace_files(directory):
+    """Why a directory without rank trace files cannot be merged: one line, naming a merged timeline it holds
+    instead (a copy of another run's output is no trace of this one)."""
+    merged = [(name, run) for name in sorted(os.listdir(directory)) if name.endswith(".json")
+              and (run := _merged_timeline_of(os.path.join(directory, name)))]
+    if merged:
+        name, run = merged[0]
+        return (f"{directory} holds no {TRACE_FILE_TEMPLATE} file, only {name}, the merged timeline of run {run}; "
+                f"pass the --trace-dir whose rank traces the run wrote")
+    return f"no {TRACE_FILE_TEMPLATE} files in {directory}; pass the --trace-dir of the traced run"
+
+
 def load_directory(directory: str) -> TraceDirectory:
     """The usable rank files of one run in ``directory``; raises TraceDirectoryError when there are none."""
     if not os.path.isdir(directory):
         raise TraceDirectoryError(f"{directory} is not a directory; pass the --trace-dir of the traced run")
     names = sorted(name for name in os.listdir(directory) if TRACE_FILE.match(name))
     if not names:
-        raise TraceDirectoryError(f"no {TRACE_FILE_TEMPLATE} files in {directory}; pass the --trace-dir of "
-                                  f"the traced run")
+        raise TraceDirectoryError(_no_trace_files(directory))
     problems = []
     read = [_read_rank_file(os.path.join(directory, name), problems) for name in names]
     read = [rank_file for rank_file in read if rank_file is not None]

@@ -18,6 +18,7 @@ from megascan.aggregate.merged_trace import MergedTrace
 from megascan.aggregate.trace_records import ComputeEvent, OpRecord
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_SPANS_LISTED = 8  # name at most this many spans of numbers in one line
 
 
 class SubsetError(ValueError):
@@ -40,6 +41,36 @@ def parse_numbers(text: str, flag: str) -> set[int]:
             raise SubsetError(flag, f"'{text}': range {low}-{high} runs backwards")
         numbers.update(range(low, high + 1))
     return numbers
+
+
+def spans_text(numbers: list[int]) -> str:
+    """Sorted numbers in the flags' own syntax, e.g. [0, 1, 2, 7] -> '0-2,7'; the first few spans and how many more."""
+    spans = []
+    for number in numbers:
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    shown = ",".join(str(low) if low == high else f"{low}-{high}" for low, high in spans[:_SPANS_LISTED])
+    return shown + (f" and {len(spans) - _SPANS_LISTED} more spans" if len(spans) > _SPANS_LISTED else "")
+
+
+def traced_iterations(merged: MergedTrace) -> set[int]:
+    return {i for trace in merged.ranks.values() for i in trace.iterations}
+
+
+def left_out(merged: MergedTrace, ranks: set[int] | None, iterations: set[int] | None) -> list[str]:
+    """One line per flag for what --ranks and --iterations asked for that the merged trace does not hold, which the
+    Chrome trace therefore leaves out (none where it holds all of it)."""
+    lines = []
+    if ranks is not None and (missing := sorted(ranks - set(merged.ranks))):
+        lines.append(f"--ranks: not in the merged trace, so left out of the Chrome trace: {spans_text(missing)} "
+                     f"(merged: {spans_text(sorted(merged.ranks))})")
+    traced = traced_iterations(merged)
+    if iterations is not None and (missing := sorted(iterations - traced)):
+        lines.append(f"--iterations: not traced, so left out of the Chrome trace: {spans_text(missing)} "
+                     f"(traced: {spans_text(sorted(traced))})")
+    return lines
 
 
 def _kept(item, ranks, iterations, rank):
@@ -68,7 +99,7 @@ def trace_subset(merged: MergedTrace, ranks: set[int] | None = None,
     if ranks is not None and not ranks & set(merged.ranks):
         raise SubsetError("--ranks", f"none of them is in the merged trace ({describe(sorted(merged.ranks), 'rank')})")
     ranks = set(merged.ranks) if ranks is None else ranks & set(merged.ranks)
-    known = {i for trace in merged.ranks.values() for i in trace.iterations}
+    known = traced_iterations(merged)
     if iterations is not None and not iterations & known:
         raise SubsetError("--iterations", f"none of them was traced ({describe(sorted(known), 'iteration')} were)")
     part = restricted(merged, lambda item, rank: _kept(item, ranks, iterations, rank))

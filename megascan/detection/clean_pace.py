@@ -11,7 +11,8 @@ Windows judged in order have a direct measure: a window's traced iterations agai
 that named nobody, the job's own pace before the fault. That loss is the cost, split among the window's slow ranks
 in proportion to their critical-path estimates. The online judge (--trace-detect, window by window) and the offline
 one (tools/aggregate.py, windows in order) apply the same rule, so they name the same cost. Without a clean window
-before it (a fault from the first window on) the critical-path estimate stands.
+before it (a fault from the first window on) the critical-path estimate stands. The cost stated, a slow rank that
+cost the job too little to act on is not named (window_cost_bar.py), and a window left naming nobody sets the pace.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megascan.detection.report import DELAY_PREFIX, Report
+from megascan.detection.window_cost_bar import hold_to_cost_bar
 
 # The critical-path estimate stays in the evidence, under this name, where the clean window's measure replaces it
 PEERS_ESTIMATE_PREFIX = "against its peers' speed: "
@@ -42,13 +44,18 @@ class CleanPace:
     iteration_us: float = 0.0  # its mean traced iteration
 
     def account(self, report: Report, window: int, iterations: list[int]) -> None:
-        """Take ``report`` (of ``window``, judged after every earlier one) into the pace: a clean window becomes
-        the pace; in any other, each slow rank's cost is restated as its share of the loss against the pace."""
-        if is_clean(report):
-            if report.iterations:
-                self.window, self.iterations = window, tuple(iterations)
-                self.iteration_us = report.traced_us / report.iterations
-            return
+        """Take ``report`` (of ``window``, judged after every earlier one) into the pace: in a window that names a
+        slow rank, each slow rank's cost is restated as its share of the loss against the pace; then the slow ranks
+        that cost the job too little to act on are taken out (window_cost_bar.py); a window left naming nobody becomes
+        the pace."""
+        if not is_clean(report):
+            self._restate_costs(report)
+            hold_to_cost_bar(report)
+        if is_clean(report) and report.iterations:
+            self.window, self.iterations = window, tuple(iterations)
+            self.iteration_us = report.traced_us / report.iterations
+
+    def _restate_costs(self, report):
         slow = [suspect for suspect in report.suspects if suspect.kind == "slow_rank" and suspect.delay_us > 0]
         lost = report.traced_us - self.iteration_us * report.iterations
         if self.window is None or not slow or lost <= 0:

@@ -10,6 +10,11 @@ comparison is of total time, not of the typical sample. A rank's ratio is its ow
 what the other ranks typically take for the same operations (the median of their means). Where only
 some microbatches' TP collectives were recorded (``--trace-tp-microbatches``: their forward passes), only
 those microbatches' (forward) events are compared: the others' waits are unknown.
+
+How far that excess stands out of the noise of the samples behind it is its size in standard errors: the spread
+of the rank's own samples (a slow GPU is slower at every kernel, or loses time slices in many of them; a healthy
+one that lost two time slices has its whole excess in those two) and of its peers' (what it is measured against
+is their mean). Each cell's sum of squares travels with its total, so the online judge has it too.
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def _operation_key(event, kind, stage):
     return None
 
 
-# {operation key: [own compute in total (us), samples]} of one rank (operation_totals)
+# {operation key: [own compute in total (us), samples, sum of the samples' squares (us^2)]} of one rank
+# (operation_totals)
 OperationTotals = dict[tuple, list]
 
 
@@ -107,8 +113,8 @@ def tp_waits_known(metadata: dict) -> KnownTpWaits | None:
 
 def operation_totals(events: list[ComputeEvent], tp_waits: list[tuple[float, float]], kind: str, stage: int,
                      layers_traced: bool, known: KnownTpWaits | None = None) -> OperationTotals:
-    """{operation key: [own compute in total (us), samples]} of one rank, from its events (their start and end
-    set) and its TP collectives' (start, end) intervals, all on one clock.
+    """{operation key: [own compute in total (us), samples, sum of squares (us^2)]} of one rank, from its events
+    (their start and end set) and its TP collectives' (start, end) intervals, all on one clock.
     With ``layers_traced``, only the layers: the finer, uniform comparison. ``known``: only the events it covers
     (tp_waits_known). A window's totals are what online detection gathers from each rank instead of its events."""
     chosen = [(key, e) for e in events if (key := _operation_key(e, kind, stage)) is not None
@@ -120,9 +126,10 @@ def operation_totals(events: list[ComputeEvent], tp_waits: list[tuple[float, flo
                        np.array([e.end for _, e in chosen], dtype=np.float64), _tp_waits(tp_waits))
     totals = {}
     for (key, _), us in zip(chosen, own.tolist()):
-        total = totals.setdefault(key, [0.0, 0])
+        total = totals.setdefault(key, [0.0, 0, 0.0])
         total[0] += us
         total[1] += 1
+        total[2] += us * us
     return totals
 
 
@@ -137,26 +144,49 @@ def totals_by_rank(merged: MergedTrace) -> dict[int, OperationTotals]:
             for rank, trace in merged.ranks.items()}
 
 
+def _excess_variance(key_ids, counts, means, squares):
+    """Per (operation, rank) cell: the variance of its excess, count x (its mean - the others' typical time): its
+    own samples' spread, plus its count squared times the variance of the others' mean (their pooled spread over
+    their samples)."""
+    deviations = np.maximum(squares - counts * means * means, 0.0)  # the cell's sum of squared deviations
+    others_deviations = np.bincount(key_ids, weights=deviations)[key_ids] - deviations
+    others_counts = np.bincount(key_ids, weights=counts)[key_ids] - counts
+    typical_variance = np.divide(others_deviations, others_counts * others_counts,
+                                 out=np.zeros_like(counts), where=others_counts > 0)
+    return deviations + counts * counts * typical_variance
+
+
+def _in_standard_errors(excess, variance):
+    """``excess`` over its standard error; infinite for an excess without spread (every sample alike)."""
+    if variance > 0:
+        return float(excess / np.sqrt(variance))
+    return float("inf") if excess > 0 else 0.0
+
+
 def compute_slowness(merged: MergedTrace, totals: dict[int, OperationTotals] | None = None) -> dict[int, dict]:
-    """rank -> {"ratio", "others_ratio", "samples"} for ranks with operations to compare; ``totals``: the
-    ranks' operation_totals where they were gathered already (online detection), else made from ``merged``."""
+    """rank -> {"ratio", "others_ratio", "samples", "excess_sigmas"} for ranks with operations to compare
+    (excess_sigmas: its excess over the others' time in standard errors, module docstring); ``totals``: the ranks'
+    operation_totals where they were gathered already (online detection), else made from ``merged``."""
     totals = totals_by_rank(merged) if totals is None else totals
-    cells = [(key, rank, total, count) for rank, per_key in totals.items() for key, (total, count) in per_key.items()]
+    cells = [(key, rank, *total) for rank, per_key in totals.items() for key, total in per_key.items()]
     if not cells:
         return {}
     numbers = {}
-    key_ids = np.array([numbers.setdefault(key, len(numbers)) for key, _, _, _ in cells], dtype=np.int64)
-    cell_rank = np.array([rank for _, rank, _, _ in cells], dtype=np.int64)
-    counts = np.array([count for _, _, _, count in cells], dtype=np.float64)
-    means = np.array([total for _, _, total, _ in cells], dtype=np.float64) / counts
+    key_ids = np.array([numbers.setdefault(key, len(numbers)) for key, *_ in cells], dtype=np.int64)
+    cell_rank = np.array([rank for _, rank, *_ in cells], dtype=np.int64)
+    counts = np.array([count for _, _, _, count, _ in cells], dtype=np.float64)
+    means = np.array([total for _, _, total, _, _ in cells], dtype=np.float64) / counts
+    squares = np.array([square for *_, square in cells], dtype=np.float64)
     # Per (operation, rank): the mean of its samples; the typical time is the median of the other ranks' means.
     typical = medians_of_others(means, key_ids)
     comparable = ~np.isnan(typical)
     actual = np.bincount(cell_rank[comparable], weights=(means * counts)[comparable])
     expected = np.bincount(cell_rank[comparable], weights=(typical * counts)[comparable])
     samples = np.bincount(cell_rank[comparable], weights=counts[comparable])
+    variance = np.bincount(cell_rank[comparable], weights=_excess_variance(key_ids, counts, means, squares)[comparable])
     ratios = {rank: actual[rank] / expected[rank] for rank in np.unique(cell_rank[comparable]).tolist()
               if expected[rank] > 0}
     others = medians_of_others(list(ratios.values()), np.zeros(len(ratios)))
-    return {rank: {"ratio": ratio, "others_ratio": float(other), "samples": int(samples[rank])}
+    return {rank: {"ratio": ratio, "others_ratio": float(other), "samples": int(samples[rank]),
+                   "excess_sigmas": _in_standard_errors(actual[rank] - expected[rank], variance[rank])}
             for (rank, ratio), other in zip(ratios.items(), others)}

@@ -4,7 +4,9 @@ A rank is a culprit when its own work is slower than its peers' (the GPU is slow
 that excess is what others waited for (it delayed them) beyond the run's own noise (noise.py): every
 rank that meets both is named, so two slow GPUs are both named, whichever of them set the iteration's
 pace. A victim's own work is as fast as its peers', and a healthy GPU that happens to be the slowest of
-its group is only a few percent slower, so neither passes both tests.
+its group is only a few percent slower, so neither passes both tests. Its slowness must also stand out of the noise
+of the samples behind it (MIN_EXCESS_SIGMAS): a healthy GPU that lost a couple of time slices in a short trace can
+measure as slow as a slow one, but only in those few samples.
 
 A rank whose delay its host set is not a slow GPU: where the trace has the host's issue times, the delay
 it caused splits into its host's part (its GPU sat idle waiting for launches: data loading, Python, a busy CPU)
@@ -39,12 +41,28 @@ SLOW_RATIO_SAMPLED = 1.25
 # excess, on the work it happens to be last at, come to under 3 % of an iteration; a 1.2x culprit's
 # to 5 % or more. Below this a rank delayed nobody measurably, however slow.
 MIN_CAUSED_SHARE = 0.01
+# How many standard errors a slow rank's compute excess must stand out of the noise of the samples behind it
+# (compute.py: its own samples' spread and its peers'). A slow GPU is slower at every kernel, or, under a competing
+# load, loses time slices in many of them; a healthy GPU that now and then loses one (another process, a clock dip)
+# has its excess in those few samples, and k lapses of like size stand only sqrt(k) out: 3 needs at least 9, where
+# ordinary noise lost 1-2 per rank in a window of 2 iterations. In a DP2 x PP2 x TP2 job of an independent
+# simulator, a healthy rank that lost two in one window measured 1.15x its peers there and stood 1.3 out; the
+# culprit, 1.3x slower, stood 18.6 and 61.8 out; GPUs under a competing load on real GPUs 4.3-21.9 in a window
+# (tests/data). Over a whole run a healthy rank's lapses average out and a slow GPU's excess grows with the samples.
+MIN_EXCESS_SIGMAS = 3.0
 TOP_GROUPS = 3
 
 
 def _slowness(rank, compute, delay):
     """Compute of identical operations where the trace has them (GPU time), else own work between syncs."""
     return compute[rank]["ratio"] if rank in compute else delay.own_ratio
+
+
+def _stands_out(compute):
+    """Whether a rank's compute excess (its compute.compute_slowness entry) stands out of the noise by
+    MIN_EXCESS_SIGMAS. A rank without compute samples to compare (its own work between synchronisations measured
+    instead) has no samples to hold to it."""
+    return compute is None or compute["excess_sigmas"] >= MIN_EXCESS_SIGMAS
 
 
 def _waits_caused(rank, groups):
@@ -75,7 +93,8 @@ def _evidence(rank, attribution, compute, delay, groups):
     if rank in compute:
         lines.append(f"compute: its own compute took {compute[rank]['ratio']:.2f}x what the other ranks take for "
                      f"the same operations (theirs: {compute[rank]['others_ratio']:.2f}x; "
-                     f"{compute[rank]['samples']} samples)")
+                     f"{compute[rank]['samples']} samples; its excess stands {compute[rank]['excess_sigmas']:.1f} "
+                     f"standard errors out of their noise)")
     if delay.stage_peers:
         lines.append(f"own work between synchronisations: {delay.own_ratio:.2f}x what its peers of the same "
                      f"pipeline stage take")
@@ -153,15 +172,17 @@ def find_culprits(merged: MergedTrace, attribution: DelayAttribution, compute: d
     threshold = {rank: max(SLOW_RATIO.get(trace.timer, SLOW_RATIO["cuda_event"]),
                            SLOW_RATIO_SAMPLED if attribution.ranks[rank].measured_share < 0.5 else 0.0)
                  for rank, trace in merged.ranks.items() if rank in attribution.ranks}
+    standing = {rank for rank in attribution.ranks if _stands_out(compute.get(rank))}
     slow = {rank: delay for rank, delay in attribution.ranks.items()
-            if _slowness(rank, compute, delay) >= threshold[rank] and not delay.host_side}
+            if _slowness(rank, compute, delay) >= threshold[rank] and not delay.host_side and rank in standing}
     # The noise floor scales with a delay extrapolated from the measured part of the work (delay_attribution).
     floors = {rank: max(MIN_CAUSED_SHARE * path,
                         attribution.noise.floor_us(attribution.iterations, delay.caused_records)
                         / delay.measured_share)
               for rank, delay in attribution.ranks.items()}
     kinds = {rank: kind for rank, delay in attribution.ranks.items() if delay.caused_us >= floors[rank]
-             and (kind := _classify(rank, delay, compute, threshold[rank], floors[rank]))}
+             and (kind := _classify(rank, delay, compute, threshold[rank], floors[rank]))
+             and (kind != "slow_rank" or rank in standing)}
     named = {rank for rank, kind in kinds.items() if kind == "slow_rank"}
     masked = {rank for rank, delay in slow.items() if rank not in named
               and sum(us for other, us in delay.masked_us.items() if other in named) >= MIN_CAUSED_SHARE * path}
@@ -199,6 +220,7 @@ def find_victims(merged: MergedTrace, waits: dict[int, dict[int, float]], culpri
         if rank in culprits or not for_culprits:
             continue
         victims.append({"rank": rank, "coords": merged.ranks[rank].coords, "waited_us": sum(for_culprits.values()),
+                        "waited_for": sorted(for_culprits),
                         "note": "waited " + ", ".join(f"{us / 1e3:.1f} ms for rank {other}"
                                                       for other, us in sorted(for_culprits.items()))
                                 + f" ({sum(per_rank.values()) / 1e3:.1f} ms in all synchronous operations)"})

@@ -36,7 +36,7 @@ class Suspect:
 @dataclass
 class Report:
     suspects: list
-    victims: list  # [{rank, coords, waited_us, note}]
+    victims: list  # [{rank, coords, waited_us, waited_for (the suspects' ranks), note}]
     links: list
     alignment: dict  # rank -> residual_us, of every rank judged
     unjudged: list  # [{who, why}]: not judged, or judged on part of the run only
@@ -47,6 +47,11 @@ class Report:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    def drop_suspects(self, ranks: set[int]) -> None:
+        """The report without the suspects of ``ranks``, nor the victims that waited for none but them."""
+        self.suspects = [suspect for suspect in self.suspects if suspect.rank not in ranks]
+        self.victims = [victim for victim in self.victims if not set(victim["waited_for"]) <= ranks]
 
     def headline(self) -> str | None:
         """The first suspect and why in one line (an alert's, a window's verdict), or None when it names nobody."""

@@ -24,6 +24,7 @@ from megascan.simulation.training_simulator import (
     GPU_BOUND_HOST_COST,
     Faults,
     Layout,
+    Stalls,
     WindowSimulation,
     compute_speeds,
 )
@@ -58,6 +59,7 @@ class Scenario:
     host_cost: float = GPU_BOUND_HOST_COST  # > 1: a host-bound job (training_simulator.py)
     host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time: a host-bound rank
     launch_queue_us: float | None = None  # GPU time its host may run ahead of each GPU (training_simulator.py)
+    stalls: Stalls | None = None  # time slices lost at random on every rank (training_simulator.py)
 
     @property
     def layout(self):
@@ -139,7 +141,7 @@ def simulate(scenario, directory):
                               hang_step(layout, scenario.hang[0], *scenario.hang[2:]))
     faults = Faults(compute_speeds(layout.world_size, scenario.speed_spread, scenario.culprits, rng),
                     dict(scenario.slow_links), hang, scenario.host_cost, dict(scenario.host_slow),
-                    scenario.launch_queue_us)
+                    scenario.launch_queue_us, scenario.stalls)
     clock = HostClocks(scenario, rng)
     table, _ = layout.groups()
     lines = {rank: [_metadata(scenario, rank)] for rank in range(layout.world_size)}

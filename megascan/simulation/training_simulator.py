@@ -11,6 +11,10 @@ in a host-bound job, or on a rank whose host is slow (``host_slow``: data loadin
 idles between launches: its work arrives late although its kernels are not longer. Every op record keeps
 the host's issue time (``host``) beside the GPU's arrival (``start``), as real traces do.
 
+Noise (``Stalls``): besides each kernel sequence's small jitter, a GPU now and then loses a time slice (another
+process, a clock dip, a page fault): a few of a window's kernel sequences take up to several layer halves longer,
+on any rank, at random. That is the noise a window judged alone must not take for a slow GPU.
+
 ``simulate_window`` returns what each rank recorded (events and ops in global microseconds) and, for
 ranks that never finished, where they stopped.
 """
@@ -45,6 +49,16 @@ class Layout(MegatronRankOrder):
         return layout_groups(self)
 
 
+@dataclass(frozen=True)
+class Stalls:
+    """Time slices lost at random: each kernel sequence, with probability ``chance``, runs longer by a time drawn
+    uniformly from ``low_us`` to ``high_us``."""
+
+    chance: float
+    low_us: float
+    high_us: float
+
+
 @dataclass
 class Faults:
     speed: dict  # rank -> time factor of its compute (1.0 nominal; a slow GPU 1.2-1.6)
@@ -57,6 +71,7 @@ class Faults:
     # bounded: once it is full the host blocks until its GPU drains it, so a slow GPU paces its host's issues
     # (back-pressure) although the host itself is fast.
     launch_queue_us: float | None = None
+    stalls: Stalls | None = None  # noise on every rank (module docstring); None: only the kernels' jitter
 
 
 @dataclass
@@ -131,8 +146,8 @@ class WindowSimulation:
                 start = self._launched(state)
                 state.host += step[4] * host_cost
                 # The kernels run as they are issued: the GPU's own time, or the host's issuing, whichever is longer.
-                end = max(start + step[4] * speed * (1.0 + self.rng.gauss(0.0, COMPUTE_JITTER)) * LAYER_HALF_US,
-                          state.host + LAUNCH_US)
+                end = max(start + step[4] * speed * (1.0 + self.rng.gauss(0.0, COMPUTE_JITTER)) * LAYER_HALF_US
+                          + self._stalled_us(), state.host + LAUNCH_US)
                 if self.faults.launch_queue_us is not None:  # a full queue: the host waits for room in it
                     state.host = max(state.host, end - self.faults.launch_queue_us)
                 if step[1] is not None:
@@ -153,6 +168,14 @@ class WindowSimulation:
                 return woken  # blocked: whoever completes the operation wakes it
             state.pc += 1
         return woken
+
+    def _stalled_us(self):
+        """The time slice a kernel sequence lost (Stalls), or 0; draws nothing without stalls, so that a run without
+        them is the same run at the same seed as before they existed."""
+        stalls = self.faults.stalls
+        if stalls is None or self.rng.random() >= stalls.chance:
+            return 0.0
+        return self.rng.uniform(stalls.low_us, stalls.high_us)
 
     @staticmethod
     def _launched(state):
