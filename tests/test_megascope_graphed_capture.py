@@ -1,5 +1,6 @@
 """MegaScope's capture compiled into the static cache's step (megascope/capture_plan.py) against the same capture on
-megatron-core's eager inference path, over real sockets, on a TP2 generation server with grouped-query attention:
+megatron-core's eager inference path, over real sockets, on a TP2 generation server with grouped-query attention
+(and on one GPU, where the decode steps are CUDA graphs; skipped without one):
 every data frame the eager path sends is sent, with the same header and the same values (float16 on the wire), for
 raw values and for reductions done on the device (norm, mean_heads) and on the host (the pattern's bins over its
 keys); the tokens and the logit lens agree. A capture with attribution is what sends a generation to the eager
@@ -7,6 +8,7 @@ path (welcome.eager), which is how the reference is asked for here."""
 
 import numpy as np
 import pytest
+import torch
 from helpers.generation_server import TINY_SERVER, GenerationServer, generation, receive, run, send, websocket
 
 from megascope.hook_sites import CAPTURED
@@ -22,10 +24,25 @@ CAPTURES = {
 }
 
 
-@pytest.fixture(scope="module")
-def server():
-    started = GenerationServer(2, TINY_SERVER + ["--tensor-model-parallel-size", "2", "--group-query-attention",
-                                                 "--num-query-groups", "2"])
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+GQA = ["--group-query-attention", "--num-query-groups", "2"]
+# (ranks, flags, relative tolerance): TP2 on CPU (float32, then float16 on the wire); on one GPU (bf16) the decode
+# steps replay CUDA graphs, where the eager path's attention may round apart by a unit of bf16 (2**-8).
+LAYOUTS = {"cpu-tp2": (2, TINY_SERVER + GQA + ["--tensor-model-parallel-size", "2"], FLOAT16_RTOL),
+           "cuda": (1, TINY_SERVER + GQA + ["--bf16"], 2 ** -6)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def server(request):
+    ranks, flags, rtol = LAYOUTS[request.param]
+    if request.param == "cuda":
+        if GPUS < 1:
+            pytest.skip("needs a GPU, 0 found")
+        at = flags.index("--device")
+        flags = [flag for flag in flags[:at] + ["--device", "cuda"] + flags[at + 2:]
+                 if flag != "--use-cpu-initialization"]
+    started = GenerationServer(ranks, flags)
+    started.rtol = rtol
     yield started
     started.stop()
 
@@ -59,7 +76,7 @@ def test_the_compiled_capture_sends_what_the_eager_path_sends(server, name):
     for key, (header, values) in ours.items():
         their_header, their_values = theirs[key]
         assert {**header, "dtype": None} == {**their_header, "dtype": None}, key
-        np.testing.assert_allclose(values, their_values, rtol=FLOAT16_RTOL, atol=1e-3, err_msg=str(key))
+        np.testing.assert_allclose(values, their_values, rtol=server.rtol, atol=1e-3, err_msg=str(key))
     lens = [m for m in messages if m["type"] == "logit_lens"]
     eager_lens = [m for m in eager_messages if m["type"] == "logit_lens"]
     assert [(m["step"], m["prompt_index"], len(m["layers"])) for m in lens] == \
