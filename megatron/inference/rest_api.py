@@ -156,10 +156,16 @@ class RestHandler(BaseHTTPRequestHandler):
     do_DELETE = do_PATCH = _method_not_allowed
 
 
+class RestServer(ThreadingHTTPServer):
+    # The standard library listens with a backlog of 5: a burst of clients beyond it had their connections reset
+    # (18 of 64 at once on a CPU server). The kernel caps the backlog at its somaxconn.
+    request_queue_size = 4096
+
+
 def serve_rest(service, encoder, host, port, static_root, model_name="megatron"):
     """Start the REST server on a daemon thread; returns it (``server_address`` has the bound port).
     ``model_name``: the name the OpenAI-compatible routes serve the model under."""
-    server = ThreadingHTTPServer((host, port), RestHandler)
+    server = RestServer((host, port), RestHandler)
     server.daemon_threads = True
     server.service, server.encoder = service, encoder
     openai_routes.server_fields(server, model_name, MAX_BODY_BYTES)
