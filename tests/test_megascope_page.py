@@ -1,6 +1,7 @@
 """MegaScope's page (tools/visualization/transformer-visualize): its vitest unit tests, its production build,
 and its end-to-end scenarios in Debian's Chromium (playwright-core) against the real backend: the text
-generation server on a tiny model (inference) and a training run with --training-ws-port (training).
+generation server on a tiny model (inference) and on a Llama-3-8B-shaped one (the page at scale), and a training
+run with --training-ws-port (training).
 
 Node.js and npm are needed (skipped with the reason when absent); Chromium is installed by apt when missing
 and this runs as root (CI), else $CHROMIUM names it. Screenshots go to the page's e2e-artifacts/, or to
@@ -84,6 +85,30 @@ def test_inference_in_a_real_browser(built, chromium):
         server.stop()
     assert "tokens match REST" in output and "e2e inference: passed" in output, output
     assert "every offered perturbation target was taken: 14" in output, output  # 7 storage, 6 calculation, 1 system
+
+
+# Llama-3-8B's shape as the page sees it: 32 layers, 32 heads in 8 query groups (rotary, SwiGLU, RMSNorm, no
+# biases), 128 positions. Only the widths are shrunk (hidden 128, 4 values per head), which changes no matrix the
+# attention, attribution, logit lens or PCA views draw, so that a CPU generates the 96 tokens in seconds. The
+# tiny server's flags, these after them (the last of a repeated flag counts).
+LLAMA_SHAPED_SERVER = [*TINY_SERVER, "--num-layers", "32", "--num-attention-heads", "32", "--hidden-size", "128",
+                       "--ffn-hidden-size", "448", "--group-query-attention", "--num-query-groups", "8",
+                       "--position-embedding-type", "rope", "--swiglu", "--normalization", "RMSNorm",
+                       "--disable-bias-linear", "--seq-length", "128", "--max-position-embeddings", "128",
+                       # the recording client reads every frame; none may be dropped while it keeps up
+                       "--ws-send-queue-frames", "100000"]
+
+
+def test_page_at_scale_in_a_real_browser(built, chromium):
+    """A 128-token generation of the Llama-shaped model with attention at every layer and head, recorded from the
+    real server and replayed to the page at wire speed: every view shows all of it within 2 s of the last frame."""
+    server = GenerationServer(1, LLAMA_SHAPED_SERVER)
+    try:
+        output = run_in_page(NODE, "e2e/scale.mjs", env={"MEGASCOPE_HTTP": server.rest, "MEGASCOPE_WS": server.ws,
+                                                         "CHROMIUM": chromium})
+    finally:
+        server.stop()
+    assert "rendered every view" in output and "e2e scale: passed" in output, output
 
 
 def start_training(save_dir):

@@ -10,10 +10,10 @@ describe('color map', () => {
     // third is the first query, which attends only to itself
     const values = new Float32Array([0.3, 0.2, 0.25, 0.25, 0.02, 0.01, NaN, NaN, 1, NaN, NaN, NaN]);
     const whole = new Uint8ClampedArray(4 * values.length);
-    paint('sequential', values, valueRange('sequential', values), whole);
+    expect(paint('sequential', values, valueRange('sequential', values), whole)).toBe(7);  // the finite cells
     expect(pixel(whole, 4)).not.toEqual(TOP);  // one range for the matrix: the second row is all dark
     const rows = new Uint8ClampedArray(4 * values.length);
-    paintRows('sequential', values, 4, rows);
+    expect(paintRows('sequential', values, 4, rows)).toBe(7);
     expect(pixel(rows, 0)).toEqual(TOP);
     expect(pixel(rows, 4)).toEqual(TOP);
     expect(pixel(rows, 6)).toEqual([255, 255, 255]);

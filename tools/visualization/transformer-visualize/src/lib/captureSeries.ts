@@ -41,8 +41,9 @@ export function addFrame(series: Map<string, CaptureSeries>, frame: DataFrame): 
   const rowShape = header.shape.slice(1);
   const rowSize = rowShape.reduce((a, b) => a * b, 1);
   const [start] = header.tokens;
+  // views into the frame's values, not copies: a frame is decoded for its series alone and never changed
   for (let t = 0; t < header.shape[0]; t++) {
-    target.rows.set(start + t, { shape: rowShape, values: values.slice(t * rowSize, (t + 1) * rowSize) });
+    target.rows.set(start + t, { shape: rowShape, values: values.subarray(t * rowSize, (t + 1) * rowSize) });
   }
 }
 

@@ -62,16 +62,19 @@ function table(kind: ScaleKind): Uint8ClampedArray {
   return rgb;
 }
 
-/** Fill RGBA pixels (one per value) for the values; non-finite values get the empty color.
+/** Fill RGBA pixels (one per value) for the values; non-finite values get the empty color. Returns the number
+ *  of cells colored (the finite values).
  *  A million cells (attention at 1,000 tokens) per redraw: colors come from a 256-level table.
  *  gamma < 1 spreads the small values (attention over many keys is mostly small). */
-export function paint(kind: ScaleKind, values: Float32Array, range: Range, out: Uint8ClampedArray, gamma = 1): void {
+export function paint(kind: ScaleKind, values: Float32Array, range: Range, out: Uint8ClampedArray, gamma = 1): number {
   const colors = TABLES[kind];
   const span = range.max - range.min;
+  let colored = 0;
   for (let i = 0; i < values.length; i++) {
     const v = values[i];
     const o = 4 * i;
     if (v === v && v !== Infinity && v !== -Infinity) {
+      colored += 1;
       const t = Math.min(1, Math.max(0, (v - range.min) / span));
       const level = 3 * Math.round((gamma === 1 ? t : t ** gamma) * (LEVELS - 1));
       out[o] = colors[level];
@@ -84,12 +87,14 @@ export function paint(kind: ScaleKind, values: Float32Array, range: Range, out: 
     }
     out[o + 3] = 255;
   }
+  return colored;
 }
 
 /** Each row painted on its own range, from 0 (or the row's minimum, if below 0) to the row's largest value:
  *  attention over a hundred keys is small everywhere, so one range for the whole matrix leaves it nearly
  *  uniformly dark; per row, every query's most attended key gets the top color. */
-export function paintRows(kind: ScaleKind, values: Float32Array, cols: number, out: Uint8ClampedArray, gamma = 1): void {
+export function paintRows(kind: ScaleKind, values: Float32Array, cols: number, out: Uint8ClampedArray, gamma = 1): number {
+  let colored = 0;
   for (let start = 0; start < values.length; start += cols) {
     const row = values.subarray(start, start + cols);
     const extent = finiteExtent(row);
@@ -97,8 +102,9 @@ export function paintRows(kind: ScaleKind, values: Float32Array, cols: number, o
     // a row of one value (the first query attends only to itself) still reaches the top color
     const range = kind === 'diverging' ? valueRange(kind, row)
       : { min: low, max: extent !== null && extent.max > low ? extent.max : low + 1 };
-    paint(kind, row, range, out.subarray(4 * start, 4 * (start + cols)), gamma);
+    colored += paint(kind, row, range, out.subarray(4 * start, 4 * (start + cols)), gamma);
   }
+  return colored;
 }
 
 /** Show every k-th label so that labels are at least `minPx` apart when each cell is `cellPx` wide. */

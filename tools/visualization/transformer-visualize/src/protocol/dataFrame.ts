@@ -1,6 +1,9 @@
 // Decoder of MegaScope's binary data frames (docs/megascope_protocol.md, "Binary data frames"):
 // little-endian; 4 bytes magic "MSD1", uint32 header length H, H bytes of UTF-8 JSON header,
 // zero padding up to a multiple of 4 bytes, then the values in C order (float16 or float32).
+// A generation at a large model's shape streams tens of millions of values: they are read through typed
+// arrays over the frame's own buffer (the padding aligns them; typed arrays are little-endian on every
+// platform a browser runs on), float32 without a copy, float16 through a table of all 65,536 values.
 
 export const MAGIC = 'MSD1';
 
@@ -36,7 +39,7 @@ export function decodeDataFrame(buffer: ArrayBuffer): DataFrame {
   if (8 + headerLength > buffer.byteLength) throw new FrameError(`data frame header of ${headerLength} bytes runs past the frame`);
   let header: DataHeader;
   try {
-    header = JSON.parse(new TextDecoder().decode(new Uint8Array(buffer, 8, headerLength))) as DataHeader;
+    header = JSON.parse(UTF8.decode(new Uint8Array(buffer, 8, headerLength))) as DataHeader;
   } catch {
     throw new FrameError('data frame header is not JSON');
   }
@@ -50,21 +53,32 @@ export function decodeDataFrame(buffer: ArrayBuffer): DataFrame {
   if (offset + count * bytesPerValue !== buffer.byteLength) {
     throw new FrameError(`data frame holds ${buffer.byteLength - offset} value bytes, shape ${JSON.stringify(header.shape)} of ${header.dtype} needs ${count * bytesPerValue}`);
   }
-  return { header, values: readValues(view, offset, count, header.dtype) };
+  return { header, values: readValues(buffer, offset, count, header.dtype) };
 }
+
+const UTF8 = new TextDecoder();
 
 function align4(n: number): number {
   return (n + 3) & ~3;
 }
 
-function readValues(view: DataView, offset: number, count: number, dtype: 'float16' | 'float32'): Float32Array {
+function readValues(buffer: ArrayBuffer, offset: number, count: number, dtype: 'float16' | 'float32'): Float32Array {
+  if (dtype === 'float32') return new Float32Array(buffer, offset, count);
+  const bits = new Uint16Array(buffer, offset, count);
+  const table = halfTable();
   const values = new Float32Array(count);
-  if (dtype === 'float32') {
-    for (let i = 0; i < count; i++) values[i] = view.getFloat32(offset + 4 * i, true);
-  } else {
-    for (let i = 0; i < count; i++) values[i] = halfToFloat(view.getUint16(offset + 2 * i, true));
-  }
+  for (let i = 0; i < count; i++) values[i] = table[bits[i]];
   return values;
+}
+
+let HALF_TABLE: Float32Array | null = null;  // built on the first float16 frame
+
+function halfTable(): Float32Array {
+  if (HALF_TABLE === null) {
+    HALF_TABLE = new Float32Array(0x10000);
+    for (let bits = 0; bits < 0x10000; bits++) HALF_TABLE[bits] = halfToFloat(bits);
+  }
+  return HALF_TABLE;
 }
 
 /** IEEE 754 binary16 -> number (DataView has no getFloat16 in the browsers and Node versions the page supports). */

@@ -1,6 +1,7 @@
 // Routes what the connection receives to the stores that keep it.
 import type { Pinia } from 'pinia';
 import { isAttributionFrame } from '../lib/attribution';
+import { drawPromptly } from '../lib/drawScheduler';
 import { useAttributionStore } from './attribution';
 import { useCapturesStore } from './captures';
 import { useConnectionStore } from './connection';
@@ -20,6 +21,7 @@ export function wireStores(pinia: Pinia): void {
       captures.clear();
       attribution.clear();
     }
+    if (message.type === 'generation_done') drawPromptly();
     generation.handle(message);
     perturbations.handle(message);
     training.handle(message);
