@@ -249,15 +249,36 @@ def _run_worker(name, flags, new_tokens):
     return json.loads(lines[-1][len("RESULT "):])
 
 
+def ws_rate(frames, hidden):
+    """MB/s of ``frames`` random float32 data frames of ``hidden`` values sent by a ReplaySession (no model)."""
+    import numpy as np
+
+    from megascope.wire import encode_data_frame
+    from megascope.ws_server import WebSocketServer
+    generator = np.random.default_rng(0)
+    replayed = [encode_data_frame({"id": "g", "step": i, "hook": "blocks.0.ln1", "layer": 0, "prompt_index": 0,
+                                   "tokens": [i, i + 1], "dims": ["token", "hidden"], "reduction": "none"},
+                                  generator.standard_normal((1, hidden), dtype=np.float32), dtype="float32")
+                for i in range(frames)]
+    server = WebSocketServer(ReplaySession(replayed), "127.0.0.1", 0).start()
+    rate = _in_a_process(_byte_rate_of, f"ws://127.0.0.1:{server.port}")
+    server.stop()
+    print(f"{frames} frames of {len(replayed[0])} bytes: {rate:.1f} MB/s, {rate * 1e6 / len(replayed[0]):.0f} frames/s")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape on CPU: checks the benchmark itself")
+    parser.add_argument("--ws-rate", action="store_true",
+                        help="only the WebSocket's rate: 20,000 random float32 frames of 4096 values, no model")
     parser.add_argument("--models", default="1b,8b", help="comma-separated, of: " + ", ".join(MODELS))
     parser.add_argument("--new-tokens", type=int, default=None, help="generated tokens (128 on GPU, 16 tiny)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options, flags = parser.parse_known_args()
     if options.worker:
         return worker(options.worker, [flag for flag in flags if flag != "--"], options.new_tokens)
+    if options.ws_rate:
+        return ws_rate(20_000, 4096)
     new_tokens = options.new_tokens or (16 if options.tiny else 128)
     unknown = set(options.models.split(",")) - set(MODELS)
     if unknown:
