@@ -19,10 +19,6 @@ import copy
 import dataclasses
 
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
 from megatron.core.transformer.spec_utils import ModuleSpec
 from torchao.float8 import Float8LinearConfig, LinearMMConfig, ScaledMMConfig
 from torchao.float8.config import e4m3_dtype, e5m2_dtype
@@ -51,23 +47,20 @@ def _gemm_configs(config: Float8LinearConfig) -> LinearMMConfig:
 
 
 class _Float8Gemm:
-    """The GEMM of megatron-core's linear in FP8; the linear's tensor-parallel collectives as megatron-core's."""
+    """The GEMM of megatron-core's linear in FP8, at one tensor-parallel rank.
+
+    Under tensor parallelism megatron-core's GEMM function also all-gathers a sequence-parallel input or all-reduces
+    the input gradient; this one does neither, and the flags refuse tensor parallelism (``fp8_flags.py``) until FP8
+    there is built and measured on several GPUs."""
 
     def __init__(self, *args, fp8: Float8LinearConfig, **kwargs):
         super().__init__(*args, **kwargs)
         self.fp8_config = fp8
         self.fp8_gemms = _gemm_configs(fp8)
 
-    def _forward_impl(self, input, weight, bias=None, *, allreduce_dgrad=False, sequence_parallel=False,
-                      tp_group=None, **_fused_options):
-        # _fused_options: gradient-accumulation fusion and the deferred weight gradient of the embedding, which the
-        # loop never turns on for these layers (core_configs.transformer_config).
-        # megatron-core's GEMM gathers a sequence-parallel input (and reduce-scatters its gradient), or all-reduces
-        # the input gradient under plain tensor parallelism, inside its own autograd function: here its mappings do it.
-        if sequence_parallel:
-            input = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-        elif allreduce_dgrad:
-            input = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    def _forward_impl(self, input, weight, bias=None, **_options):
+        # _options: the collectives of tensor parallelism (off at one rank), gradient-accumulation fusion and the
+        # embedding's deferred weight gradient (never on for these layers: core_configs.transformer_config).
         output = matmul_with_hp_or_float8_args.apply(input, weight.t(), self.fp8_gemms, self.fp8_config)
         return output if bias is None else output + bias
 
