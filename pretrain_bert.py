@@ -20,7 +20,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.training.core_configs import language_model_kwargs, transformer_config
 from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import ArgumentError, exit_on_user_error
-from megatron.training.local_layer_specs import with_core_attention
+from megatron.training.local_layer_specs import with_core_attention, with_fp8_gemms
 from megatron.training.training import pretrain
 
 
@@ -46,7 +46,7 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
             # BertModel reads its spec as one layer's, so the final norm cannot be swapped in.
             raise ArgumentError("--sequence-parallel with BERT needs apex or --transformer-impl "
                                 "transformer_engine; drop --sequence-parallel")
-        layer_spec = with_core_attention(bert_layer_local_spec, args.attention_backend)
+        layer_spec = with_fp8_gemms(with_core_attention(bert_layer_local_spec, args.attention_backend), args)
     model_class = BertModel if args.transformer_impl == "transformer_engine" else LocalBertModel
     return model_class(config=config, transformer_layer_spec=layer_spec,
                      num_tokentypes=2 if args.bert_binary_head else 0, add_binary_head=args.bert_binary_head,

@@ -17,7 +17,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (
 from megatron.training.core_configs import language_model_kwargs, transformer_config
 from megatron.training.data import build_datasets, dataset_config_kwargs, next_batch, sum_and_count
 from megatron.training.errors import exit_on_user_error
-from megatron.training.local_layer_specs import block_spec_with_torch_norms, with_core_attention
+from megatron.training.local_layer_specs import block_spec_with_torch_norms, with_core_attention, with_fp8_gemms
 from megatron.training.tp_comm_overlap import with_tp_comm_overlap
 from megatron.training.training import pretrain
 
@@ -29,6 +29,7 @@ def model_provider(args, pre_process=True, post_process=True, vp_stage=None):
     else:
         layer_spec = with_core_attention(get_gpt_layer_local_spec(normalization=args.normalization),
                                          args.attention_backend)
+        layer_spec = with_fp8_gemms(layer_spec, args)
         if args.tp_comm_overlap:
             layer_spec = with_tp_comm_overlap(layer_spec)
         layer_spec = block_spec_with_torch_norms(layer_spec, config, vp_stage)

@@ -95,6 +95,9 @@ CASES = {
     "compiled layers with per-layer tracing": (
         MOCK + ["--compile-transformer-layers", "--trace", "--trace-interval", "3", "--trace-granularity", "full"], {},
         "--trace-granularity full times every layer's halves from Python, which --compile-transformer-layers"),
+    "FP8 on CPU": (MOCK + ["--fp8-format", "hybrid"], {},
+                   "--fp8-format hybrid --fp8-recipe tensorwise needs a GPU of compute capability 8.9 or newer (FP8 "
+                   "tensor cores); --device cpu has none: drop --fp8-format"),
     "transformer engine not installed": (
         MOCK + ["--transformer-impl", "transformer_engine"], {}, "--transformer-impl transformer_engine needs"),
 }

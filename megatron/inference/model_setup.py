@@ -88,6 +88,9 @@ def setup_for_generation(argv, prog, model_provider, extra_args_provider=None, c
     if args.compile_transformer_layers:
         raise ArgumentError("--compile-transformer-layers: the generation engine runs its layers eagerly (each step "
                             "has a new length); drop the flag")
+    if args.fp8 is not None:
+        raise ArgumentError("--fp8-format: the generation tools run a checkpoint's layers in bf16 (an FP8 run saves "
+                            "the same checkpoint as a bf16 one); drop the flag")
     _no_virtual_pipeline(args)
     validate_args(args)
     if check_args is not None:

@@ -138,6 +138,15 @@ def _add_training_args(parser):
     mp.add_argument("--loss-scale-window", type=float, default=1000)
     mp.add_argument("--hysteresis", type=int, default=2)
     mp.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    mp.add_argument("--fp8-format", dest="fp8", choices=["e4m3", "hybrid"], default=None,
+                    help="the transformer layers' linear GEMMs in FP8 (a GPU of compute capability 8.9+): e4m3 for "
+                         "every operand, or hybrid: e5m2 output gradients. --transformer-impl local: torchao's float8 "
+                         "training (pip install -e '.[fp8]', with --bf16), master weights, optimizer, gradients and "
+                         "checkpoints as without; transformer_engine: Transformer Engine's FP8, as in Megatron-LM")
+    mp.add_argument("--fp8-recipe", choices=["tensorwise", "rowwise", "delayed", "mxfp8", "blockwise"], default=None,
+                    help="FP8 scaling. --transformer-impl local: tensorwise (default: one scale per tensor) or rowwise "
+                         "(one per row); transformer_engine: delayed (default, as Megatron-LM), tensorwise, mxfp8 "
+                         "(compute capability 10.0+) or blockwise")
 
 
 def _add_parallel_args(parser):

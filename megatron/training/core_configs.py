@@ -72,7 +72,16 @@ def transformer_config(args):
         # PyTorch: a host-bound stage then pays its host and its GPU time one after the other. The schedule's
         # stream waits on the transfers already order them. A whole-iteration graph cannot capture the sync.
         batch_p2p_sync=args.batch_p2p_sync and not whole_iteration_graph(args),
+        **transformer_engine_fp8(args),
     )
+
+
+def transformer_engine_fp8(args):
+    """Megatron-LM's FP8 settings, for Transformer Engine's layers only: megatron-core reads ``fp8`` as "enter
+    Transformer Engine's FP8 autocast". The local layers' FP8 is their layer spec's (``fp8_linears.py``)."""
+    if args.transformer_impl != "transformer_engine" or args.fp8 is None:
+        return {}
+    return {"fp8": args.fp8, "fp8_recipe": args.fp8_recipe}
 
 
 def whole_iteration_graph(args):

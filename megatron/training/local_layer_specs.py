@@ -71,6 +71,16 @@ def with_core_attention(layer_spec, attention_backend):
     return layer_spec
 
 
+def with_fp8_gemms(layer_spec, args):
+    """``layer_spec`` whose attention and MLP linears compute in FP8 under ``--fp8-format``, else itself. torchao
+    (the optional ``[fp8]`` extra) is imported only then."""
+    if args.fp8 is None:
+        return layer_spec
+    from megatron.training.fp8_linears import with_float8_linears
+
+    return with_float8_linears(layer_spec, args.fp8, args.fp8_recipe)
+
+
 def attention_summary(args):
     """What computes core attention in this run, for the start-up log."""
     if args.transformer_impl != "local":

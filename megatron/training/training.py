@@ -22,6 +22,7 @@ from megatron.training.core_configs import whole_iteration_graph
 from megatron.training.cuda_graphs import layers_run_eagerly
 from megatron.training.data import build_data_iterators
 from megatron.training.flops import training_flops_per_iteration
+from megatron.training.fp8_flags import fp8_summary
 from megatron.training.garbage_collection import ManualGarbageCollection
 from megatron.training.initialize import initialize_megatron, open_launch_store, shutdown
 from megatron.training.local_layer_specs import attention_summary
@@ -257,7 +258,7 @@ def setup_job(argv, *, prog, model_provider, dataset_provider, forward_step_func
                  f"parameters on rank 0, "
                  f"starting at iteration {state.iteration}; attention: {attention_summary(args)}; "
                  f"CUDA graphs: {args.cuda_graph_impl} ({args.cuda_graph_note})"
-                 f"{'; layers under torch.compile' if args.compile_transformer_layers else ''}")
+                 f"{'; layers under torch.compile' if args.compile_transformer_layers else ''}{fp8_summary(args)}")
     registry.after_setup(context, model, optimizer, scheduler)
     iterators = build_iterators(args, dataset_provider, tokenizer, len(model), consumed_samples)
     trainer = Trainer(context, registry, model, optimizer, scheduler, functools.partial(forward_step_func, args))

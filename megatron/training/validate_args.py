@@ -10,6 +10,7 @@ import torch
 from megatron.training.checkpointing import read_tracker
 from megatron.training.data import blend_from_args
 from megatron.training.errors import ArgumentError
+from megatron.training.fp8_flags import validate_fp8
 from megatron.training.save_dir.checks import check_save_dir
 from megatron.training.save_dir.writable import check_directory_writable
 
@@ -275,6 +276,7 @@ def validate_args(args, world_size=None):
     _validate_batch(args)
     _validate_model(args)
     _validate_precision_and_device(args)
+    validate_fp8(args)
     _validate_schedule(args)
     _validate_data(args)
     _validate_profiling_and_tensorboard(args)
