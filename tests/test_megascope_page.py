@@ -76,13 +76,18 @@ def test_build_uses_relative_asset_paths(built):
     assert list((built / "assets").glob("*.js")), "the build wrote no script"
 
 
-def test_inference_in_a_real_browser(built, chromium):
-    server = GenerationServer(1, TINY_SERVER)
+def page_against_a_server(script, server_flags, chromium):
+    """The output of e2e ``script`` run in the browser against a generation server started with ``server_flags``."""
+    server = GenerationServer(1, server_flags)
     try:
-        output = run_in_page(NODE, "e2e/inference.mjs", env={"MEGASCOPE_HTTP": server.rest, "MEGASCOPE_WS": server.ws,
-                                                             "CHROMIUM": chromium})
+        return run_in_page(NODE, script, env={"MEGASCOPE_HTTP": server.rest, "MEGASCOPE_WS": server.ws,
+                                              "CHROMIUM": chromium})
     finally:
         server.stop()
+
+
+def test_inference_in_a_real_browser(built, chromium):
+    output = page_against_a_server("e2e/inference.mjs", TINY_SERVER, chromium)
     assert "tokens match REST" in output and "e2e inference: passed" in output, output
     assert "every offered perturbation target was taken: 14" in output, output  # 7 storage, 6 calculation, 1 system
 
@@ -102,12 +107,8 @@ LLAMA_SHAPED_SERVER = [*TINY_SERVER, "--num-layers", "32", "--num-attention-head
 def test_page_at_scale_in_a_real_browser(built, chromium):
     """A 128-token generation of the Llama-shaped model with attention at every layer and head, recorded from the
     real server and replayed to the page at wire speed: every view shows all of it within 2 s of the last frame."""
-    server = GenerationServer(1, LLAMA_SHAPED_SERVER)
-    try:
-        output = run_in_page(NODE, "e2e/scale.mjs", env={"MEGASCOPE_HTTP": server.rest, "MEGASCOPE_WS": server.ws,
-                                                         "CHROMIUM": chromium})
-    finally:
-        server.stop()
+    output = page_against_a_server("e2e/scale.mjs", LLAMA_SHAPED_SERVER, chromium)
+    print(next(line for line in output.splitlines() if "rendered every view" in line))  # the figure, in CI's log
     assert "rendered every view" in output and "e2e scale: passed" in output, output
 
 
