@@ -108,8 +108,8 @@ def test_page_at_scale_in_a_real_browser(built, chromium):
     """A 128-token generation of the Llama-shaped model with attention at every layer and head, recorded from the
     real server and replayed to the page at wire speed: every view shows all of it within 2 s of the last frame."""
     output = page_against_a_server("e2e/scale.mjs", LLAMA_SHAPED_SERVER, chromium)
-    print(next(line for line in output.splitlines() if "rendered every view" in line))  # the figure, in CI's log
     assert "rendered every view" in output and "e2e scale: passed" in output, output
+    print(next(line for line in output.splitlines() if "rendered every view" in line))  # the figure, in CI's log
 
 
 def start_training(save_dir):
