@@ -289,6 +289,21 @@ def _await_the_watch():
     os._exit(1)
 
 
+def _chain_message(error):
+    """The error's text and that of what it was raised from (a step that re-raised it its way)."""
+    message = ""
+    while error is not None:
+        message += f" {error}"
+        error = error.__cause__ or error.__context__
+    return message
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether ``error`` follows from a peer's loss (a local rank's death seen by the watch, or a collective's lost
+    connection): the rank ends with that death's line, not with the error."""
+    return (_watch is not None and _watch.dead is not None) or _PEER_LOSS.search(_chain_message(error)) is not None
+
+
 def lost_peer_line(error: BaseException, group_up: bool) -> str | None:
     """The one line for a failure that a peer's loss caused (a local rank's death seen by the watch, or, with a
     process group up, ``group_up``, a collective's error naming a lost connection), else None; '' for a connection
@@ -296,10 +311,7 @@ def lost_peer_line(error: BaseException, group_up: bool) -> str | None:
     a line, the caller prints it (if any) and ends the rank."""
     if _watch is not None and _watch.ending:
         _await_the_watch()  # the error follows from the end that the watch's thread reports
-    chain, message = error, ""
-    while chain is not None:  # the error itself, or what it was raised from (a step that re-raised it its way)
-        message += f" {chain}"
-        chain = chain.__cause__ or chain.__context__
+    message = _chain_message(error)
     lost = group_up and _PEER_LOSS.search(message) is not None
     # A collective's error can come before the watch's thread has read the dead rank's end of file.
     peer = _watch.dead_peer(wait_s=1.0 if lost else 0.0) if _watch is not None else None
