@@ -25,6 +25,7 @@ from megatron.training.arguments import build_parser
 from megatron.training.atomic_file import replaced_on_success
 from megatron.training.checkpoint_model import PATH_FLAGS, check_model_args, model_args, model_flags
 from megatron.training.errors import UserError
+from megatron.training.job_lifetime import helper_death_line
 from megatron.training.save_dir.checkpoints import (
     TRACKER_FILENAME,
     checkpoint_dir,
@@ -144,6 +145,8 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
         torch.distributed.broadcast_object_list(message, src=0)
         raise UserError(message[0]) from None
     except (OSError, RuntimeError) as error:  # one rank's own write (rank 0's common.pt): the others wait
+        if helper_death_line(error) is not None:
+            raise  # a data loader's worker killed meanwhile (its SIGCHLD handler raises anywhere): not the save's fault
         raise UserError(_save_failed(args, iteration, work_dir, error)) from None
     torch.distributed.barrier()
     if rank == 0:

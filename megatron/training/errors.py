@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from megatron.training.error_line import error_line, program_name
+from megatron.training.job_lifetime import helper_death_line
 from megatron.training.peer_watch import ending_on_purpose, lost_peer_line
 
 
@@ -115,6 +116,9 @@ def exit_on_user_error(main):
             _exit(128 + signal.SIGINT, failed=True)
         except Exception as error:
             _report_lost_peer(error)
+            if (line := helper_death_line(error)) is not None:
+                _print_launch_error(error_line(line))
+                _exit(1, failed=True)
             if not _process_group_is_up():
                 raise
             traceback.print_exc()  # a bug: its traceback, as Python would print it

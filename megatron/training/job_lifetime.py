@@ -17,6 +17,7 @@ thread that forked the process ends, however it ends):
 
 import ctypes
 import os
+import re
 import signal
 import sys
 import threading
@@ -24,6 +25,8 @@ import threading
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 _forking: tuple[int, bool] = (0, False)  # (pid, from the main thread) of the process that forks now
+# torch's DataLoader, when a worker of it was killed (its SIGCHLD handler's error, or the loader's own check).
+_LOADER_WORKER_DEATH = re.compile(r"DataLoader worker \(pid.*?\) (?:is killed by signal|exited unexpectedly)[^.\n]*")
 
 
 def set_parent_death_signal(signum: int) -> None:
@@ -44,6 +47,16 @@ def _end_with_forking_parent() -> None:
     set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:  # the parent ended before the signal was set: it will never come
         os._exit(1)
+
+
+def helper_death_line(error: BaseException) -> str | None:
+    """The line for an error that says a process this rank started was killed (a data loader's worker), else None."""
+    found = _LOADER_WORKER_DEATH.search(str(error))
+    if found is None:
+        return None
+    rank = os.environ.get("RANK", "0")
+    return (f"{found.group(0)}: rank {rank} stops (a process it started was killed: see the system log, dmesg, "
+            f"for why)")
 
 
 def end_with_parent() -> None:
