@@ -15,11 +15,13 @@ import torch
 from megatron.training.host_memory import resident_bytes
 
 
-def print_whole_line(message):
-    """One line from any rank, in one write: ranks share their launcher's stdout, and print() writes the text and
-    its newline separately (unbuffered, as launches run), so two ranks' lines could join into one."""
-    sys.stdout.write(message + "\n")
-    sys.stdout.flush()
+def print_whole_line(message, stream=None):
+    """One line from any rank, in one write, on ``stream`` (stdout unless given): ranks share their launcher's
+    streams, and print() writes the text and its newline separately (unbuffered, as launches run), so two ranks'
+    lines could join into one."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(message + "\n")
+    stream.flush()
 
 
 def print_rank_0(message):
