@@ -50,7 +50,7 @@ class RestHandler(BaseHTTPRequestHandler):
     server_version = "MegatronApp-generation"
     # set by serve_rest: service, encoder, static_root
 
-    job = None  # the generation of the request being answered (PUT /api): told when its answer has gone
+    job = None  # the generation of the request being answered: told when its answer has gone (_answer)
 
     def log_message(self, format, *args):  # the default writes every request to stderr
         log.debug("%s " + format, self.address_string(), *args)
@@ -66,6 +66,13 @@ class RestHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client left before its answer: nobody to tell
             log.info("%s went away before its %d answer", self.address_string(), status)
             self.close_connection = True
+
+    def _answer(self, route):
+        """Answer this request with ``route(self)``; the generation it ran (``self.job``) is told once its answer,
+        whole or streamed, has gone: the end of a server that lost a rank waits for that (service.fail_unfinished)."""
+        self.job = None  # a kept-alive connection's previous request's
+        try:
+            return route(self)
         finally:
             if self.job is not None:
                 self.job.answered.set()
@@ -104,6 +111,10 @@ class RestHandler(BaseHTTPRequestHandler):
         self._reply(status, body)
 
     def do_PUT(self):
+        return self._answer(RestHandler._generate)
+
+    def _generate(self):
+        """``PUT /api``: Megatron-LM's generation request."""
         if self.path.rstrip("/") != "/api":
             return self._refuse(HTTPStatus.NOT_FOUND, "PUT /api generates; nothing else takes PUT")
         try:
@@ -139,7 +150,7 @@ class RestHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         if self.path.startswith("/v1/"):
-            return openai_routes.post(self)
+            return self._answer(openai_routes.post)
         return self._method_not_allowed()
 
     def do_GET(self):
