@@ -35,7 +35,7 @@ import time
 import traceback
 
 from megatron.training.error_line import error_line
-from megatron.training.job_lifetime import set_parent_death_signal
+from megatron.training.job_lifetime import set_parent_death_signal, stop_watching_helpers
 
 # How a rank ends on purpose: its work done, a failure it printed itself, or a peer's death it reported.
 _DONE, _FAILED, _LOST_PEER = b"d", b"f", b"l"
@@ -232,6 +232,7 @@ def _flush_and_exit(code):
     # The exit handlers (a trace's last windows, the data loader's workers) as errors._exit runs them, but from
     # this thread while the main one may be blocked: a handler that waits must not keep the rank alive.
     threading.Timer(3.0, os._exit, (code,)).start()
+    stop_watching_helpers()
     # What other threads raise from now on follows from this end (a loader's worker killed by the exit handlers,
     # a transport's peer gone): the line printed says why the rank stops, their tracebacks would bury it.
     threading.excepthook = lambda args: None
