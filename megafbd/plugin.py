@@ -37,6 +37,7 @@ from megatron.training.plugins import (
     ValidateArgsHook,
 )
 from megatron.training.run_context import RunContext
+from megatron.training.training_log import print_whole_line
 
 if TYPE_CHECKING:
     from megafbd.backward_schedule import BackwardSchedule
@@ -77,11 +78,12 @@ class MegaFBDPlugin(AddArgumentsHook, IsEnabledHook, TrainingWorldSizeHook, Vali
         self.instance = start_instance(context)
         if self.instance.global_rank == 0:
             args, layout = context.args, self.instance.layout
-            print(f"megafbd: {layout.backward_size} backward instances (TP{layout.tensor} x PP{layout.pipeline} x "
-                  f"DP{layout.data}, {args.device}) + {layout.forward_size} forward instances (TP"
-                  f"{layout.forward_tensor} x PP{layout.pipeline} x DP{layout.data}, {args.fbd_forward_device}); "
-                  f"weight staleness {args.fbd_weight_staleness}, checksum every {args.fbd_checksum_interval} "
-                  f"iterations", flush=True)
+            print_whole_line(f"megafbd: {layout.backward_size} backward instances (TP{layout.tensor} x "
+                             f"PP{layout.pipeline} x DP{layout.data}, {args.device}) + {layout.forward_size} "
+                             f"forward instances (TP"
+                             f"{layout.forward_tensor} x PP{layout.pipeline} x DP{layout.data}, "
+                             f"{args.fbd_forward_device}); weight staleness {args.fbd_weight_staleness}, checksum "
+                             f"every {args.fbd_checksum_interval} iterations")
         return True
 
     def run_process(self, context: RunContext, parts: JobParts) -> bool:

@@ -27,6 +27,7 @@ from megascan.aggregate.trace_records import ComputeEvent
 from megascan.detection import detect
 from megascan.detection.clean_pace import CleanPace
 from megascan.detection.compute import LAYER_EVENTS, operation_totals, tp_waits_known
+from megatron.training.training_log import print_whole_line
 
 ALERT_PREFIX = "MegaScan alert:"
 SUMMARY_WAIT_SECONDS = 300  # resolving a window's events waits for the GPU to finish that window's work
@@ -163,7 +164,7 @@ class WindowJudge:
         raises: a window that cannot be judged is said in one line and training goes on."""
         failed = [summary["error"] for summary in gathered if "error" in summary]
         if failed:
-            print(f"MegaScan: --trace-detect skipped a window: {failed[0]}", file=sys.stderr, flush=True)
+            print_whole_line(f"MegaScan: --trace-detect skipped a window: {failed[0]}", sys.stderr)
             return None
         window, iterations = gathered[0]["line"]["window"], gathered[0]["line"]["iterations"]
         started = time.perf_counter()
@@ -171,12 +172,12 @@ class WindowJudge:
             report = judge(gathered)
             self.pace.account(report, window, iterations)
         except Exception as error:  # noqa: BLE001 - a window that cannot be judged must not stop training
-            print(f"MegaScan: --trace-detect could not judge window {window}: {type(error).__name__}: {error}",
-                  file=sys.stderr, flush=True)
+            print_whole_line(f"MegaScan: --trace-detect could not judge window {window}: {type(error).__name__}: "
+                             f"{error}", sys.stderr)
             return None
         line = alert_line(report, window, iterations)
         if line:
-            print(f"{line} (judged in {time.perf_counter() - started:.2f} s)", flush=True)
+            print_whole_line(f"{line} (judged in {time.perf_counter() - started:.2f} s)")
             self._call_hook(DetectionAlert(window, iterations, line, report))
         return line
 
@@ -186,4 +187,4 @@ class WindowJudge:
         try:
             self.hook(alert)
         except Exception as error:  # noqa: BLE001 - a user's hook must not stop training: say so, go on
-            print(f"MegaScan: --trace-detect-hook raised {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            print_whole_line(f"MegaScan: --trace-detect-hook raised {type(error).__name__}: {error}", sys.stderr)

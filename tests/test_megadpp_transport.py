@@ -11,6 +11,7 @@ from helpers.launch import REPO, assert_succeeded, torchrun
 
 from megadpp.transport import cuda_ipc_available
 from megadpp.transport._shm import segment_bytes
+from megadpp.transport.rendezvous import remove_abandoned_segments, segment_name
 
 WORKER = "tests/helpers/transport_worker.py"
 SHM = "/dev/shm"
@@ -64,6 +65,25 @@ def test_sigkill_leaves_nothing_in_dev_shm_and_spares_foreign_segments(tmp_path)
         assert os.path.exists(foreign)
     finally:
         os.unlink(foreign)
+
+
+def test_segments_a_killed_job_left_are_removed_by_the_next_transport_and_live_ones_kept():
+    """A job killed while its channels were set up leaves its segments (created, never opened): the next transport
+    on the node removes those whose creator is gone, and only those."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    abandoned, live = (os.path.join(SHM, segment_name(0, 1).replace(f"-{os.getpid()}-", f"-{pid}-")[1:])
+                       for pid in (ended.pid, os.getpid()))
+    for path in (abandoned, live):
+        with open(path, "w") as f:
+            f.write("a channel")
+    try:
+        remove_abandoned_segments()
+        assert not os.path.exists(abandoned) and os.path.exists(live)
+    finally:
+        for path in (abandoned, live):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_too_little_dev_shm_is_one_line_naming_the_size_needed():

@@ -4,6 +4,7 @@ of the launch's validation; tests/test_checkpointing.py runs the lock and a fail
 import subprocess
 import sys
 
+import psutil
 import pytest
 from helpers.launch import REPO
 
@@ -107,6 +108,34 @@ def test_the_save_lock_names_its_holder_and_dies_with_it(tmp_path):
         holder.wait()
     take_save_lock(str(tmp_path))
     release_save_locks()
+
+
+_FORKING_HOLDER = """
+import os, sys
+from megatron.training.job_lifetime import set_parent_death_signal
+from megatron.training.save_dir.lock import take_save_lock
+take_save_lock(sys.argv[1])
+if os.fork() == 0:  # a helper that outlives its parent (as a checkpoint writer blocked on its queue did)
+    set_parent_death_signal(0)
+    print(os.getpid(), flush=True)  # after the fork's handlers ran in it
+    sys.stdin.read()
+    os._exit(0)
+sys.stdin.read()
+"""
+
+
+def test_a_process_the_holder_forked_does_not_keep_the_save_lock(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _FORKING_HOLDER, str(tmp_path)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(holder.stdout.readline()))
+    try:
+        holder.kill()
+        holder.wait()
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        take_save_lock(str(tmp_path))  # the child's copy of the file was closed when it was forked
+        release_save_locks()
+    finally:
+        child.kill()
 
 
 def test_a_disk_with_less_room_than_one_checkpoint_is_warned_of(tmp_path):

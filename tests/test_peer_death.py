@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 from helpers.generation_server import TINY_SERVER
-from helpers.launch import TINY_GPT, job_acted_on, torchrun_command, worker_of_rank
+from helpers.launch import PLUGINS, TINY_GPT, job_acted_on, torchrun_command, worker_of_rank
 
 MOCK = TINY_GPT + ["--mock-data", "--vocab-size", "1000", "--train-iters", "100000"]
 SHM = "/dev/shm"
@@ -22,9 +22,11 @@ SHM = "/dev/shm"
 # name: (ranks, entry point, flags, the line after which the victim is killed, victim, what the survivors did)
 CASES = {
     "training": (2, "pretrain_gpt.py", MOCK, " iteration        3/", 0, "in iteration "),
-    # The barrier of the datasets' build; where the survivor's gloo barrier has already failed, its stack no longer
-    # reaches data.py and the line names the start-up step and the collective only.
-    "start-up": (2, "pretrain_gpt.py", MOCK, "setup done", 0, "in start-up, in barrier"),
+    # Rank 0 held after its setup (a test plugin): the survivor waits for it in start-up, at the datasets' build, and
+    # cannot leave start-up before rank 0 is killed, however slow the machine (killed after "setup done", rank 0
+    # had at times built its datasets and both were in iteration 1).
+    "start-up": (2, "pretrain_gpt.py", MOCK + ["--stall-rank-0-after-setup"], "rank 0 holds before its datasets", 0,
+                 "in start-up"),
     # On CPU a DPP rank spends its time waiting on MegaDPP's channels; on GPUs their transfers are queued on the GPU,
     # and the survivor is anywhere in its iteration (the loss's all-reduce, say).
     "dpp": (2, "pretrain_gpt.py", MOCK + ["--pipeline-model-parallel-size", "2", "--use-dpp"],
@@ -68,7 +70,8 @@ def test_a_killed_rank_ends_every_survivor_at_once_with_one_line_naming_it(case,
         ended["after_s"], ended["alive"] = time.monotonic() - killed, alive
         ended["pids"] = [process.pid for process in workers.values()]
 
-    result = job_acted_on(torchrun_command(ranks, script, flags), marker, kill_the_victim, timeout=300)
+    env = {"MEGATRON_PLUGINS": "stalled_start_plugin", "PYTHONPATH": str(PLUGINS)} if case == "start-up" else None
+    result = job_acted_on(torchrun_command(ranks, script, flags), marker, kill_the_victim, env=env, timeout=300)
     output = result.stdout
     assert result.returncode != 0 and not ended["alive"], output[-3000:]
     assert ended["after_s"] < 10, (ended["after_s"], output[-3000:])

@@ -10,6 +10,9 @@ Without --load the model keeps its seeded initialization. SIGINT or SIGTERM (Ctr
 signal on to every rank) stops every rank after the step in progress: "server stopped", exit code 0.
 """
 
+import megatron.training  # noqa: F401  first: quiets megatron-core's import notices; ends with its launcher
+
+# isort: split
 import functools
 import logging
 import os
@@ -19,7 +22,6 @@ import threading
 
 import torch
 
-import megatron.training  # noqa: F401  first: quiets megatron-core's import notices
 import pretrain_gpt
 from megascope.inference_session import InferenceSession, ScopeObserver, apply_perturbations
 from megascope.ws_server import WebSocketServer

@@ -11,6 +11,7 @@ import torch  # first: loads libc10/libtorch, which the CUDA IPC extension links
 
 from megadpp.transport.base import Handle, TransferEvent, TransferObserver
 from megatron.training.errors import UserError
+from megatron.training.training_log import print_whole_line
 
 
 class TransportSetupError(UserError):
@@ -41,8 +42,8 @@ if _cuda_ipc is None:
         _CUDA_IPC_MISSING += " (it is built only where CUDA's compiler is found at build time)"
     # One line per node (not per rank), on stdout: stderr carries a failed launch's single error line.
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        print(f"megadpp transport: CUDA IPC part {_CUDA_IPC_MISSING}; shared memory and "
-              "torch.distributed transports only", flush=True)
+        print_whole_line(f"megadpp transport: CUDA IPC part {_CUDA_IPC_MISSING}; shared memory and "
+                         "torch.distributed transports only")
 
 
 def shm_module() -> ModuleType:

@@ -1,6 +1,7 @@
 """Transports between processes of one node, whose channels live in the C++ extension (csrc/): the
 shared-memory one (CPU tensors) and the CUDA IPC one (GPU tensors). Both agree on segment names
-through a torch.distributed Store and unlink every segment once its receiver has it open."""
+through a torch.distributed Store and unlink every segment once its receiver has it open; the segments of a job
+killed before that are removed by the next transport started on the node."""
 
 from __future__ import annotations
 
@@ -13,7 +14,13 @@ import torch.distributed as dist
 
 from megadpp.transport.base import Handle, TransferObserver, Transport
 from megadpp.transport.native import NativeHandle, TransportSetupError, cuda_ipc_module, shm_module
-from megadpp.transport.rendezvous import channel_key, check_shm_room, default_store, segment_name
+from megadpp.transport.rendezvous import (
+    channel_key,
+    check_shm_room,
+    default_store,
+    remove_abandoned_segments,
+    segment_name,
+)
 
 MAX_COPY_THREADS = 8
 
@@ -36,6 +43,7 @@ class NodeTransport(Transport):
         self.rank = rank
         self.peers = sorted(set(peers) - {rank})
         self.observer = observer
+        remove_abandoned_segments()  # first: what a killed job left counts as room again
         check_shm_room(len(self.peers) * segment_bytes, len(self.peers), shm_limit_bytes)
         store = store if store is not None else default_store()
         self._native = native

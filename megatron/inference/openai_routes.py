@@ -27,7 +27,7 @@ from megatron.inference.openai_requests import OpenAIRequest, parse_chat, parse_
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.request_body import BodyRefused, read_body
 from megatron.inference.requests import load_json
-from megatron.inference.service import Job, StopAtNextStep, pick_seed
+from megatron.inference.service import Job, ServerLost, StopAtNextStep, pick_seed
 
 log = logging.getLogger("megatron.inference.openai")
 
@@ -95,7 +95,7 @@ def post(handler) -> None:
         seed = pick_seed(parsed.request["random_seed"])
         payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(parsed.request, seed),
                    "streamed": parsed.stream}
-        job = Job(payload=payload, requester_gone=lambda: handler.peer_gone())
+        handler.job = job = Job(payload=payload, requester_gone=lambda: handler.peer_gone())
         if parsed.stream:
             return _stream(handler, job, parsed, chunk_kind)
         generation = handler.server.service.run(job)
@@ -104,6 +104,9 @@ def post(handler) -> None:
     except NonFiniteLogits as error:  # the model, as perturbed, cannot answer this request
         return handler._reply(HTTPStatus.UNPROCESSABLE_ENTITY, error_body(
             HTTPStatus.UNPROCESSABLE_ENTITY, str(error), None, "non_finite_logits"))
+    except ServerLost as error:  # rank 0 ends with the death's line: this answer says it in one line
+        return handler._reply(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(HTTPStatus.INTERNAL_SERVER_ERROR,
+                                                                           str(error)))
     except Exception:  # noqa: BLE001  a server failure: logged, answered, the server goes on
         log.exception("generation failed")
         return handler._reply(HTTPStatus.INTERNAL_SERVER_ERROR, error_body(
@@ -149,7 +152,7 @@ def _stream(handler, job: Job, parsed: OpenAIRequest, chunk_kind: str) -> None:
                                   "stop" if text.stopped else None))
         observer.all_stopped = all(text.stopped for text in texts)
     if job.error is not None:
-        message = str(job.error) if isinstance(job.error, (ProtocolError, NonFiniteLogits)) else \
+        message = str(job.error) if isinstance(job.error, (ProtocolError, NonFiniteLogits, ServerLost)) else \
             "generation failed; see the server log"
         handler.send_event(error_body(HTTPStatus.INTERNAL_SERVER_ERROR, message))
     else:

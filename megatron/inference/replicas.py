@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 
 from megatron.inference.engine import Generation, NonFiniteLogits
 from megatron.training.collectives import gather_objects
+from megatron.training.training_log import print_whole_line
 
 
 def replica_share(count):
@@ -28,8 +29,8 @@ def generate_share(engine, prompts, params, observer):
     start, end = replica_share(len(prompts))
     replicas = parallel_state.get_data_parallel_world_size()
     if replicas > 1 and parallel_state.get_model_parallel_group().rank() == 0:  # progress, once per replica
-        print(f"replica {parallel_state.get_data_parallel_rank()} of {replicas}: prompts [{start}, {end}) "
-              f"of {len(prompts)}", flush=True)
+        print_whole_line(f"replica {parallel_state.get_data_parallel_rank()} of {replicas}: prompts [{start}, {end}) "
+                         f"of {len(prompts)}")
     try:
         share = engine.generate(prompts[start:end], replace(params, first_prompt=start), observer) \
             if end > start else None

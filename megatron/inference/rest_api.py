@@ -19,7 +19,7 @@ from megatron.inference.errors import ProtocolError
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.request_body import BodyRefused, read_body
 from megatron.inference.requests import load_json, parse_rest_request
-from megatron.inference.service import Job, pick_seed
+from megatron.inference.service import Job, ServerLost, pick_seed
 
 log = logging.getLogger("megatron.inference.rest")
 MAX_BODY_BYTES = 1 << 20
@@ -50,6 +50,8 @@ class RestHandler(BaseHTTPRequestHandler):
     server_version = "MegatronApp-generation"
     # set by serve_rest: service, encoder, static_root
 
+    job = None  # the generation of the request being answered: told when its answer has gone (_answer)
+
     def log_message(self, format, *args):  # the default writes every request to stderr
         log.debug("%s " + format, self.address_string(), *args)
 
@@ -64,6 +66,16 @@ class RestHandler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client left before its answer: nobody to tell
             log.info("%s went away before its %d answer", self.address_string(), status)
             self.close_connection = True
+
+    def _answer(self, route):
+        """Answer this request with ``route(self)``; the generation it ran (``self.job``) is told once its answer,
+        whole or streamed, has gone: the end of a server that lost a rank waits for that (service.fail_unfinished)."""
+        self.job = None  # a kept-alive connection's previous request's
+        try:
+            return route(self)
+        finally:
+            if self.job is not None:
+                self.job.answered.set()
 
     def peer_gone(self):
         """Whether this request's client has left (closed its connection, or a write to it failed)."""
@@ -99,6 +111,10 @@ class RestHandler(BaseHTTPRequestHandler):
         self._reply(status, body)
 
     def do_PUT(self):
+        return self._answer(RestHandler._generate)
+
+    def _generate(self):
+        """``PUT /api``: Megatron-LM's generation request."""
         if self.path.rstrip("/") != "/api":
             return self._refuse(HTTPStatus.NOT_FOUND, "PUT /api generates; nothing else takes PUT")
         try:
@@ -111,13 +127,15 @@ class RestHandler(BaseHTTPRequestHandler):
             prompts = self.server.encoder.encode(request)
             seed = pick_seed(request["random_seed"])
             payload = {"kind": "generate", "prompts": prompts, "params": sampling_fields(request, seed)}
-            job = Job(payload=payload, requester_gone=lambda: peer_closed(self.connection))
+            self.job = job = Job(payload=payload, requester_gone=lambda: peer_closed(self.connection))
             generation = self.server.service.run(job)
         except ProtocolError as error:
             status = HTTPStatus.SERVICE_UNAVAILABLE if error.code == "busy" else HTTPStatus.BAD_REQUEST
             return self._refuse(status, error.message, error.field)
         except NonFiniteLogits as error:  # the model, as perturbed, cannot answer this request
             return self._refuse(HTTPStatus.UNPROCESSABLE_ENTITY, str(error))
+        except ServerLost as error:  # rank 0 ends with the death's line: this answer says it in one line
+            return self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, str(error))
         except Exception:  # noqa: BLE001  a server failure: logged, answered, the server goes on
             log.exception("generation failed")
             return self._refuse(HTTPStatus.INTERNAL_SERVER_ERROR, "generation failed; see the server log")
@@ -132,7 +150,7 @@ class RestHandler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         if self.path.startswith("/v1/"):
-            return openai_routes.post(self)
+            return self._answer(openai_routes.post)
         return self._method_not_allowed()
 
     def do_GET(self):

@@ -10,6 +10,7 @@ process group's timeout. ``stop`` (rank 0) ends the running generation at its ne
 queued ones and ends every rank's loop.
 """
 
+import atexit
 import queue
 import secrets
 import threading
@@ -22,8 +23,14 @@ from megatron.inference.engine import NonFiniteLogits, NoObserver, agree
 from megatron.inference.errors import ProtocolError
 from megatron.inference.replicas import generate_share
 from megatron.inference.sampling import SamplingParams
+from megatron.training.peer_watch import is_peer_loss
 
 IDLE_HEARTBEAT_SECONDS = 30
+ANSWER_AT_EXIT_SECONDS = 2.0  # how long the end of rank 0 waits for the answers of the requests it fails
+
+
+class ServerLost(Exception):  # noqa: N818  what the requester is told, not a bug
+    """A rank of the server died: the generation in flight cannot finish (answered 500, in one line)."""
 
 
 @dataclass
@@ -35,6 +42,7 @@ class Job:
     observer: object = None
     source: str = "rest"
     done: threading.Event = field(default_factory=threading.Event)
+    answered: threading.Event = field(default_factory=threading.Event)  # its requester has its answer (REST)
     cancelled: bool = False   # set by its requester: it ends at its next step and holds the model no longer
     # Rank 0, between steps: whether its requester left (a REST client that closed its connection); it ends then.
     requester_gone: Callable[[], bool] = lambda: False
@@ -71,6 +79,20 @@ class GenerationService:
         self._lock = threading.Lock()
         self._unfinished = []   # submitted generations, in order, until they have run
         self.stopping = False   # set by stop: the running generation is cancelled at its next step
+        # However rank 0 ends (a peer's death ends it from the peer watch's thread, which runs the exit handlers),
+        # the requests in flight get their answer first.
+        atexit.register(self.fail_unfinished)
+
+    def fail_unfinished(self) -> None:
+        """Answer every generation not yet run with ServerLost, and wait (a bounded time) for the answers to go."""
+        with self._lock:
+            unfinished, self._unfinished = self._unfinished, []
+        for job in unfinished:
+            job.error = ServerLost("a rank of the server died during this generation; the server stops")
+            job.done.set()
+        for job in unfinished:
+            if job.source == "rest":
+                job.answered.wait(ANSWER_AT_EXIT_SECONDS)
 
     def submit(self, job, refuse_if_busy):
         """Queue ``job``; ProtocolError("busy") when ``refuse_if_busy`` and a generation is queued or
@@ -152,11 +174,10 @@ class GenerationService:
                 if job:
                     job.error = error
             except Exception as error:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
-                if not job:
-                    raise
+                if not job or is_peer_loss(error):
+                    raise  # the rank ends with the death's line; fail_unfinished answers the requester
                 job.error = error
-            finally:
-                if job and job.source != "control":
-                    with self._lock:
-                        self._unfinished.remove(job)
-                    job.done.set()
+            if job and job.source != "control":
+                with self._lock:
+                    self._unfinished.remove(job)
+                job.done.set()

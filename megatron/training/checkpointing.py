@@ -25,6 +25,7 @@ from megatron.training.arguments import build_parser
 from megatron.training.atomic_file import replaced_on_success
 from megatron.training.checkpoint_model import PATH_FLAGS, check_model_args, model_args, model_flags
 from megatron.training.errors import UserError
+from megatron.training.job_lifetime import helper_death_line
 from megatron.training.save_dir.checkpoints import (
     TRACKER_FILENAME,
     checkpoint_dir,
@@ -33,6 +34,7 @@ from megatron.training.save_dir.checkpoints import (
     what_to_do,
 )
 from megatron.training.save_dir.writable import nearest_existing
+from megatron.training.training_log import print_whole_line
 
 IN_PROGRESS_SUFFIX = ".inprogress"
 _SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -143,12 +145,13 @@ def save_checkpoint(args, iteration, model, optimizer, scheduler, consumed_train
         torch.distributed.broadcast_object_list(message, src=0)
         raise UserError(message[0]) from None
     except (OSError, RuntimeError) as error:  # one rank's own write (rank 0's common.pt): the others wait
+        if helper_death_line(error) is not None:
+            raise  # a data loader's worker killed meanwhile (its SIGCHLD handler raises anywhere): not the save's fault
         raise UserError(_save_failed(args, iteration, work_dir, error)) from None
     torch.distributed.barrier()
     if rank == 0:
         _publish(args, iteration, work_dir, final_dir)
-        print(f"saved checkpoint at iteration {iteration} to {final_dir} "
-              f"({time.time() - start:.1f} s)", flush=True)
+        print_whole_line(f"saved checkpoint at iteration {iteration} to {final_dir} ({time.time() - start:.1f} s)")
     torch.distributed.barrier()
 
 
@@ -254,8 +257,7 @@ def load_checkpoint(args, model, optimizer, scheduler):
     iteration = read_tracker(args.load)
     if iteration is None:
         if torch.distributed.get_rank() == 0:
-            print(f"no checkpoint in {args.load} ({TRACKER_FILENAME} not found): training from scratch",
-                  flush=True)
+            print_whole_line(f"no checkpoint in {args.load} ({TRACKER_FILENAME} not found): training from scratch")
         return 0, 0
     directory = checkpoint_dir(args.load, iteration)
     tracker = os.path.join(args.load, TRACKER_FILENAME)
@@ -286,8 +288,8 @@ def load_checkpoint(args, model, optimizer, scheduler):
     if with_rng:
         _restore_rng(loaded["rng_state"])
     if torch.distributed.get_rank() == 0:
-        print(f"loaded checkpoint {directory} (saved at layout {common.get('layout')}; "
-              f"optimizer {'loaded' if with_optimizer else 'not loaded'})", flush=True)
+        print_whole_line(f"loaded checkpoint {directory} (saved at layout {common.get('layout')}; "
+                         f"optimizer {'loaded' if with_optimizer else 'not loaded'})")
     if args.finetune:
         return 0, 0
     return loaded["iteration"], loaded["consumed_train_samples"]

@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from megatron.training.error_line import error_line, program_name
+from megatron.training.job_lifetime import helper_death_line, stop_watching_helpers
 from megatron.training.peer_watch import ending_on_purpose, lost_peer_line
 
 
@@ -69,6 +70,7 @@ def _process_group_is_up():
 def _report_lost_peer(error):
     """A failure that a peer's death caused (a collective's lost connection, or a step's error of its own at that
     moment: the datasets' build blamed the mock dataset) is reported as that death, in this rank's one line."""
+    stop_watching_helpers()
     line = lost_peer_line(error, _process_group_is_up())
     if line is not None:
         if line:
@@ -86,6 +88,7 @@ def _exit(code, failed=False):
     handlers run (a trace's last windows, the loader workers' end) and the streams are flushed, and the
     process ends without the teardown; the kernel closes its sockets. ``failed``: this rank printed its failure
     itself, and tells its peers so: they add no line of their own (peer_watch.py)."""
+    stop_watching_helpers()
     if failed:
         ending_on_purpose(failed=True)
     if not _process_group_is_up():
@@ -115,6 +118,9 @@ def exit_on_user_error(main):
             _exit(128 + signal.SIGINT, failed=True)
         except Exception as error:
             _report_lost_peer(error)
+            if (line := helper_death_line(error)) is not None:
+                _print_launch_error(error_line(line))
+                _exit(1, failed=True)
             if not _process_group_is_up():
                 raise
             traceback.print_exc()  # a bug: its traceback, as Python would print it

@@ -11,6 +11,7 @@ from megatron.core.num_microbatches_calculator import init_num_microbatches_calc
 
 from megatron.training.cpu_compat import install_cpu_compat
 from megatron.training.cuda_graphs import release_cuda_graphs
+from megatron.training.job_lifetime import watch_helpers
 from megatron.training.peer_watch import start_peer_watch
 from megatron.training.placement import Launch
 from megatron.training.save_dir.lock import release_save_locks
@@ -69,6 +70,7 @@ def initialize_megatron(args, plugin_start=None, store=None):
     if args.deterministic_mode:
         _use_deterministic_kernels()
     start_peer_watch()  # before the group: a rank that dies during its start is named too
+    watch_helpers()
     _init_process_group(args, plugin_start, store)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

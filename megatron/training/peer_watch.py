@@ -13,6 +13,11 @@ purpose says so first: "done" (its work finished) or "failed" (it printed its ow
 with it then fail without a line of their own, and torchrun stops them as before). End of file without a word is a
 death.
 Ranks on other hosts are not watched: their loss reaches a survivor as a collective's error (``lost_peer_line``).
+
+Under torchrun the same thread watches the launcher (a pidfd of it, readable when it ends): a launcher killed,
+alone or with its process group, ends every rank in one line each, where its ranks used to run on without it
+(torchrun starts them in sessions of their own). Until the watch starts, the parent-death signal that
+job_lifetime.py sets ends the rank without a line.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 import traceback
 
 from megatron.training.error_line import error_line
+from megatron.training.job_lifetime import set_parent_death_signal, stop_watching_helpers
 
 # How a rank ends on purpose: its work done, a failure it printed itself, or a peer's death it reported.
 _DONE, _FAILED, _LOST_PEER = b"d", b"f", b"l"
@@ -47,9 +53,10 @@ _phase = "start-up"  # what this rank is doing, in the words of a death's line (
 
 
 class PeerWatch:
-    """The watch of this process (rank ``rank``) over the local ranks ``local_ranks`` of launch ``launch``."""
+    """The watch of this process (rank ``rank``) over the local ranks ``local_ranks`` of launch ``launch``, and over
+    its launcher when ``launcher`` (a pid) is given."""
 
-    def __init__(self, rank: int, local_ranks: range, launch: str):
+    def __init__(self, rank: int, local_ranks: range, launch: str, launcher: int | None = None):
         self.rank, self.launch = rank, launch
         self.lower = [peer for peer in local_ranks if peer < rank]  # we connect to them; the higher ones to us
         self.connections: dict[socket.socket, int | None] = {}  # connection -> peer rank (None: not yet said)
@@ -57,10 +64,17 @@ class PeerWatch:
         self.dead: int | None = None
         self.lock = threading.Lock()
         self.said = False
+        self.ending = False  # this thread ends the process (a death's line printed): the main thread waits for it
         self.started = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind(self._name(rank))
         self.listener.listen(len(local_ranks))
+        self.launcher, self.launcher_fd = launcher, None
+        if launcher is not None:
+            self.launcher_fd = os.pidfd_open(launcher)
+            # The watch takes over from the parent-death signal: a launcher that ended in between leaves the pidfd
+            # readable, and the first select reports it.
+            set_parent_death_signal(0)
         threading.Thread(target=self._run, name="peer-watch", daemon=True).start()
 
     def _name(self, rank):
@@ -85,9 +99,13 @@ class PeerWatch:
             # the start would otherwise go unseen by a peer that had not connected yet.
             # (After a minute, a lower rank that never listened ended before it could: tried now and then.)
             wait = None if not self.lower else _CONNECT_RETRY_S if time.monotonic() < self.started + 60 else 1.0
-            readable, _, _ = select.select([self.listener, *self.connections], [], [], wait)
+            launcher = [] if self.launcher_fd is None else [self.launcher_fd]
+            readable, _, _ = select.select([self.listener, *self.connections, *launcher], [], [], wait)
             for ready in readable:
-                if ready is self.listener:
+                if ready == self.launcher_fd:
+                    self.launcher_fd = None
+                    report_launcher_death(self.launcher)
+                elif ready is self.listener:
                     connection, _ = self.listener.accept()
                     self.connections[connection] = None
                 else:
@@ -143,13 +161,15 @@ def start_peer_watch() -> None:
     """Start this rank's watch when torchrun launched it with peers on this host (Linux only: abstract sockets)."""
     global _watch
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if _watch is not None or "RANK" not in os.environ or local_size < 2 or not sys.platform.startswith("linux"):
+    launcher = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None  # torchrun's worker: watch torchrun
+    if _watch is not None or "RANK" not in os.environ or not sys.platform.startswith("linux") \
+            or (local_size < 2 and launcher is None):
         return
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     first = rank - local_rank  # torchrun numbers the ranks of one host consecutively
     launch = f"{os.getppid()}-{os.environ.get('MASTER_PORT', '')}"
     try:
-        _watch = PeerWatch(rank, range(first, first + local_size), launch)
+        _watch = PeerWatch(rank, range(first, first + local_size), launch, launcher)
     except OSError:  # the name is taken (not by this launch: its ranks are numbered apart): run unwatched
         return
     os.register_at_fork(after_in_child=_watch.close_in_child)
@@ -212,6 +232,10 @@ def _flush_and_exit(code):
     # The exit handlers (a trace's last windows, the data loader's workers) as errors._exit runs them, but from
     # this thread while the main one may be blocked: a handler that waits must not keep the rank alive.
     threading.Timer(3.0, os._exit, (code,)).start()
+    stop_watching_helpers()
+    # What other threads raise from now on follows from this end (a loader's worker killed by the exit handlers,
+    # a transport's peer gone): the line printed says why the rank stops, their tracebacks would bury it.
+    threading.excepthook = lambda args: None
     try:
         atexit._run_exitfuncs()
         for child in multiprocessing.active_children():  # a handler run off the main thread may have left some
@@ -234,10 +258,51 @@ def report_death(peer: int) -> None:
     ends its own way (its main thread reports the death, or its own failure)."""
     if _main_thread_handles_an_error():
         return  # a collective's error of the same death: the main thread names it, with where it came from
+    _end_with_line(death_line(peer, _activity(_main_thread_frames())))
+
+
+def report_launcher_death(launcher: int) -> None:
+    """This rank's one line about its launcher's end, then its own (exit code 1)."""
+    rank = os.environ.get("RANK", "?")
+    doing = _activity(_main_thread_frames())
+    _end_with_line(f"the launcher (pid {launcher}) ended while rank {rank} was in {_phase}"
+                   f"{', ' + doing if doing else ''}; rank {rank} stops too: the job was killed or its launcher "
+                   f"died (see the system log, dmesg, for why)")
+
+
+def _end_with_line(line):
     if _watch is None or not _watch.say(_LOST_PEER):
-        return
-    sys.stderr.write(error_line(death_line(peer, _activity(_main_thread_frames()))) + "\n")
+        return  # the rank already ends its own way (its line printed, or being printed)
+    _watch.ending = True
+    sys.stderr.write(error_line(line) + "\n")
     _flush_and_exit(1)
+
+
+def _await_the_watch():
+    """The watch's thread ends this process, its line printed: wait for it, whatever this thread is sent meanwhile
+    (the data loader's SIGCHLD handler raises here when the exit handlers kill its workers)."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            time.sleep(0.1)
+        except BaseException:  # noqa: S110  nothing this thread could say now would be news
+            pass
+    os._exit(1)
+
+
+def _chain_message(error):
+    """The error's text and that of what it was raised from (a step that re-raised it its way)."""
+    message = ""
+    while error is not None:
+        message += f" {error}"
+        error = error.__cause__ or error.__context__
+    return message
+
+
+def is_peer_loss(error: BaseException) -> bool:
+    """Whether ``error`` follows from a peer's loss (a local rank's death seen by the watch, or a collective's lost
+    connection): the rank ends with that death's line, not with the error."""
+    return (_watch is not None and _watch.dead is not None) or _PEER_LOSS.search(_chain_message(error)) is not None
 
 
 def lost_peer_line(error: BaseException, group_up: bool) -> str | None:
@@ -245,10 +310,9 @@ def lost_peer_line(error: BaseException, group_up: bool) -> str | None:
     process group up, ``group_up``, a collective's error naming a lost connection), else None; '' for a connection
     lost to a rank that failed its own way (it printed the job's line). Claims this rank's word to its peers: with
     a line, the caller prints it (if any) and ends the rank."""
-    chain, message = error, ""
-    while chain is not None:  # the error itself, or what it was raised from (a step that re-raised it its way)
-        message += f" {chain}"
-        chain = chain.__cause__ or chain.__context__
+    if _watch is not None and _watch.ending:
+        _await_the_watch()  # the error follows from the end that the watch's thread reports
+    message = _chain_message(error)
     lost = group_up and _PEER_LOSS.search(message) is not None
     # A collective's error can come before the watch's thread has read the dead rank's end of file.
     peer = _watch.dead_peer(wait_s=1.0 if lost else 0.0) if _watch is not None else None
@@ -257,8 +321,7 @@ def lost_peer_line(error: BaseException, group_up: bool) -> str | None:
     if peer is None and _watch is not None and _FAILED in _watch.words.values():
         return ""  # the connection lost is to a rank that failed and printed the job's line: none of our own
     if _watch is not None and not _watch.say(_LOST_PEER):
-        time.sleep(5)  # the watch's thread reports it (or a failed peer's line stands) and ends the process
-        os._exit(1)
+        _await_the_watch()  # the watch's thread reports it (or a failed peer's line stands) and ends the process
     doing = _error_activity(error)  # where the collective that found the peer gone was called
     if peer is not None:
         return death_line(peer, doing)

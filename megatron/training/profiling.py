@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatron.training.training_log import print_rank_0
+from megatron.training.training_log import print_rank_0, print_whole_line
 
 DEFAULT_PROFILE_DIR = "profiler_output"
 SUMMARY_ROWS = 30
@@ -90,8 +90,8 @@ class TorchProfilerWindow:
             f"torch.profiler on rank {self.rank}, {window}: top operators by self {clock} time, "
             f"totals over the window\n"
             + profiler.key_averages().table(sort_by=sort_by, row_limit=SUMMARY_ROWS, max_name_column_width=70) + "\n")
-        print(f"rank {self.rank}: torch.profiler trace of {window} written to {trace} "
-              f"(Chrome trace JSON: open it in Perfetto); top operators in {summary}", flush=True)
+        print_whole_line(f"rank {self.rank}: torch.profiler trace of {window} written to {trace} "
+                         f"(Chrome trace JSON: open it in Perfetto); top operators in {summary}")
 
 
 class CudaProfilerRange:

@@ -15,16 +15,18 @@ import torch
 from megatron.training.host_memory import resident_bytes
 
 
-def print_whole_line(message):
-    """One line from any rank, in one write: ranks share their launcher's stdout, and print() writes the text and
-    its newline separately (unbuffered, as launches run), so two ranks' lines could join into one."""
-    sys.stdout.write(message + "\n")
-    sys.stdout.flush()
+def print_whole_line(message, stream=None):
+    """One line from any rank, in one write, on ``stream`` (stdout unless given): ranks share their launcher's
+    streams, and print() writes the text and its newline separately (unbuffered, as launches run), so two ranks'
+    lines could join into one."""
+    stream = sys.stdout if stream is None else stream
+    stream.write(message + "\n")
+    stream.flush()
 
 
 def print_rank_0(message):
     if torch.distributed.get_rank() == 0:
-        print(message, flush=True)
+        print_whole_line(message)
 
 
 def is_last_rank():
@@ -33,7 +35,7 @@ def is_last_rank():
 
 def print_last_rank(message):
     if is_last_rank():
-        print(message, flush=True)
+        print_whole_line(message)
 
 
 def peak_memory(device):
@@ -100,7 +102,7 @@ class TrainingLog:
         if self.grad_norm is not None:
             parts.append(f"grad norm: {self.grad_norm:.3f}")
         parts += [f"number of skipped iterations: {self.skipped:3d}", f"{memory_label}: {memory_bytes / 2**20:.0f}"]
-        print(" " + " | ".join(parts), flush=True)
+        print_whole_line(" " + " | ".join(parts))
         if self.tensorboard is not None:
             self.tensorboard.write_log_line(iteration, {
                 "iteration-time": per_iteration, "throughput": tflops_per_gpu, "tokens-per-second": tokens_per_s,

@@ -16,6 +16,7 @@ from megatron.training.flops import layer_matrix_weights
 from megatron.training.save_dir.checkpoints import iterations_present, read_tracker
 from megatron.training.save_dir.lock import take_save_lock
 from megatron.training.save_dir.writable import check_directory_writable, nearest_existing
+from megatron.training.training_log import print_whole_line
 
 
 def check_save_dir(args) -> None:
@@ -83,4 +84,4 @@ def claim_save_dir(args) -> None:
     take_save_lock(args.save)
     warning = short_of_space_warning(args.save, checkpoint_size_estimate(args))
     if warning:
-        print(warning, flush=True)
+        print_whole_line(warning)

@@ -6,6 +6,14 @@ The lock is ``flock`` on a file in the directory. The kernel releases it when th
 however it exits (a crash or SIGKILL included), so a lock left by a dead job never blocks the next one;
 the file stays (removing it could let a third job lock a file that a second one is about to lock) and
 names the last holder, so that a refused job can say which job writes there.
+
+A ``flock`` belongs to the open file, and a forked child shares its parent's open files: megatron-core's
+checkpoint writers, forked by rank 0 at every save, held the lock after rank 0 was killed, and the restart was
+refused in the name of a pid that no longer ran. So every child closes its copy as it is forked
+(``os.register_at_fork``), and the file is not inherited across an exec (Python opens it close-on-exec): only the
+process that took the lock holds it. An OFD lock (``F_OFD_SETLK``) belongs to the open file too; a POSIX record
+lock is not inherited, but any ``close`` of the file by its holder drops it, and a second lock by the same process
+would succeed where a second job's must be refused.
 """
 
 import datetime
@@ -43,3 +51,6 @@ def release_save_locks() -> None:
     """Release this process's locks before it exits (tests, and a process that runs several jobs)."""
     while _held:
         _held.pop().close()
+
+
+os.register_at_fork(after_in_child=release_save_locks)  # a forked child closes its copies: the parent keeps them
