@@ -125,9 +125,14 @@ def _kill_a_checkpoint_writer(launcher):
 def test_a_killed_checkpoint_writer_ends_its_rank_in_one_line_not_a_save_that_waits_forever(tmp_path):
     """megatron-core's save waits for each writer it forks to report; one killed never does, and the rank waited
     for it forever (its peer in the barrier after the save too)."""
-    flags = JOB + ["--save", tmp_path / "save", "--save-interval", 1]
-    result = job_acted_on(torchrun_command(2, "pretrain_gpt.py", flags), "saved checkpoint at iteration 1 ",
-                          _kill_a_checkpoint_writer, timeout=120)
+    for attempt in range(3):
+        flags = JOB + ["--save", tmp_path / f"save{attempt}", "--save-interval", 1]
+        result = job_acted_on(torchrun_command(2, "pretrain_gpt.py", flags), "saved checkpoint at iteration 1 ",
+                              _kill_a_checkpoint_writer, timeout=120)
+        # A writer killed as it finished was collected by megatron-core before the rank could see how it ended: the
+        # save had its part, and the job rightly went on. Only then is the kill tried again, on a new job.
+        if result.returncode != 0:
+            break
     lines = [line for line in result.stdout.splitlines() if line.startswith("pretrain_gpt.py: ")]
     assert result.returncode != 0, result.stdout[-3000:]
     assert len(lines) == 1 and re.fullmatch(r"pretrain_gpt.py: error: a process that rank 0 started \(pid \d+: a "

@@ -6,11 +6,14 @@ import os
 import signal
 import socket
 import sys
+import threading
 import traceback
 
 from megatron.training.error_line import error_line, program_name
 from megatron.training.job_lifetime import helper_death_line, stop_watching_helpers
 from megatron.training.peer_watch import ending_on_purpose, lost_peer_line
+
+EXIT_HANDLERS_SECONDS = 5.0
 
 
 class UserError(Exception):
@@ -91,6 +94,11 @@ def _exit(code, failed=False):
     stop_watching_helpers()
     if failed:
         ending_on_purpose(failed=True)
+    # An exit handler that waits for a process this rank lost (megatron-core's checkpoint queue, its writer killed)
+    # would keep the rank alive: the handlers get EXIT_HANDLERS_SECONDS. A daemon timer: an ordinary exit never waits.
+    deadline = threading.Timer(EXIT_HANDLERS_SECONDS, os._exit, (code,))
+    deadline.daemon = True
+    deadline.start()
     if not _process_group_is_up():
         sys.exit(code)
     atexit._run_exitfuncs()  # what the teardown would run first; atexit has no public call for it
