@@ -57,10 +57,6 @@ def _end_with_forking_parent() -> None:
         os.environ[_STARTED_BY] = str(os.getpid())
 
 
-class HelperKilled(Exception):  # noqa: N818  the rank's one line, not a bug
-    """A process this rank started was killed by a signal while the rank ran (watch_helpers)."""
-
-
 _watching_helpers = False
 
 
@@ -94,7 +90,7 @@ def _killed_child() -> tuple[int, int] | None:
 def watch_helpers() -> None:
     """While this rank runs, a process it started that is killed or crashes (a checkpoint writer: megatron-core's
     save then waited on its queue forever; a data loader's worker; a multiprocessing helper) ends the rank in one
-    line: raised as HelperKilled in the main thread, from a SIGCHLD handler, wherever it waits. Not once the rank
+    line, from a SIGCHLD handler, wherever it waits. Not once the rank
     ends (its exit handlers stop such processes themselves). Linux, main thread only."""
     global _watching_helpers
     if _libc is None or _watching_helpers:
@@ -105,15 +101,29 @@ def watch_helpers() -> None:
         if _watching_helpers and (killed := _killed_child()) is not None:
             pid, signum = killed
             rank = os.environ.get("RANK", "0")
-            raise HelperKilled(f"a process that rank {rank} started (pid {pid}: a checkpoint writer, a data "
-                               f"loader's worker or a multiprocessing helper) was killed by "
-                               f"{signal.Signals(signum).name}; rank {rank} stops (see the system log, dmesg, for why)")
+            # The rank ends here, with its line: an exception raised from a signal handler lands wherever the main
+            # thread is, and some places (a logging lock's release, an at-fork hook) print it as a traceback.
+            _end_with_line(f"a process that rank {rank} started (pid {pid}: a checkpoint writer, a data loader's "
+                           f"worker or a multiprocessing helper) was killed by {signal.Signals(signum).name}; "
+                           f"rank {rank} stops (see the system log, dmesg, for why)")
         if callable(previous):  # torch's data loader sets its own first: chained, as it chains
             previous(signum, frame)
 
     signal.signal(signal.SIGCHLD, on_child_end)
     _watching_helpers = True
     atexit.register(stop_watching_helpers)  # an ordinary end: its exit handlers stop such processes themselves
+
+
+def _end_with_line(message: str) -> None:
+    from megatron.training.error_line import error_line
+    from megatron.training.peer_watch import ending_on_purpose  # late: the peer watch imports this module
+
+    stop_watching_helpers()
+    ending_on_purpose(failed=True)  # its peers add no line of their own
+    sys.stdout.flush()
+    sys.stderr.write(error_line(message) + "\n")
+    sys.stderr.flush()
+    os._exit(1)  # no exit handler: one may wait for the process that was killed
 
 
 def stop_watching_helpers() -> None:
@@ -125,8 +135,6 @@ def stop_watching_helpers() -> None:
 
 def helper_death_line(error: BaseException) -> str | None:
     """The line for an error that says a process this rank started was killed (a data loader's worker), else None."""
-    if isinstance(error, HelperKilled):
-        return str(error)
     found = _LOADER_WORKER_DEATH.search(str(error))
     if found is None:
         return None
