@@ -4,7 +4,7 @@
 # peak host memory beside one shard plus one layer) and checked against transformers (fp32 logits of
 # 4 prompts, 16 greedy tokens).
 # Results (summary.txt, <shape>.json, the logs) go to RESULTS_DIR (relative: to the repository); no network
-# needed; bounded to fit a 10-minute call (timeout 570 s).
+# needed; every step bounded so that the whole script ends within 570 s on one H200.
 #   bash bench/convert_llama_gpu.sh RESULTS_DIR            # on the GPU machine
 #   bash bench/convert_llama_gpu.sh RESULTS_DIR --cpu-tiny  # the tiny shape on the CPU: checks the script
 set -euo pipefail

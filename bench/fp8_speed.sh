@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FP8 against our own bf16 default and against plain PyTorch with torchao's float8, side by side in one call on one
+# FP8 against our own bf16 default and against plain PyTorch with torchao's float8, side by side in one run on one
 # GPU of compute capability 8.9+ (docs/benchmarks.md#fp8-linear-gemms-on-one-gpu). For each shape in SHAPES: GPT 1.3B
 # (24 layers, hidden 2048, 16 heads, sequence 2048, the sample corpus, micro batch 4, global batch 16) and the
 # Llama-3-8B shape with 8 layers (hidden 4096, GQA 32/8, SwiGLU 14336, RMSNorm, RoPE, vocabulary 128256, sequence

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Our training step against the plain-PyTorch reference GPT (bench/reference_gpt.py), side by side in
-# one call on one GPU (docs/benchmarks.md). For each size in SIZE_LIST (345m 1.3b): pretrain_gpt.py
+# one run on one GPU (docs/benchmarks.md). For each size in SIZE_LIST (345m 1.3b): pretrain_gpt.py
 # with each variant in OURS, then the reference eager and compiled; one table with ms/iteration,
 # TFLOP/s and the ratio to the eager reference. Ours: the log line of iterations ITERS-9..ITERS (30);
 # the reference: the mean of 20 iterations after 5 warm-up ones. Logs under ${RESULTS:-bench_results}.

@@ -1,5 +1,5 @@
 """The figures of several runs of bench/megascan_overhead.py on one job, each alone and pooled: a 0.5 % figure
-needs more rounds than one device call holds.
+needs more rounds than one run of bench/megascan_overhead.py takes in ten minutes on one machine.
 
     python bench/megascan_overhead_pool.py run1.json run2.json ...   (their --bench-json files)
 
