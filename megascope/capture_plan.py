@@ -93,11 +93,16 @@ class CapturePlan:
         pattern = attention_pattern(query, key, mask, mask is None, softmax_scale(self.config), key.size(2))
         self._read(_PATTERN, layer, pattern.permute(2, 0, 1, 3))  # [sq, b, heads, sk]
 
+    def _host_reduction(self, name):
+        """The reduction left to the host: the pattern's over its key dim, applied once the keys are cut; else None."""
+        reduction = self.spec.reduction_for(name)
+        return reduction if name == _PATTERN and str(reduction) not in _DEVICE_PATTERN_REDUCTIONS else None
+
     def _keep(self, name, layer, tensor):
         # A copy: the model adds the residual into some outputs in place (mlp.out) after the hook has run.
         values, reduction = tensor.to(torch.float32, copy=True), self.spec.reduction_for(name)
-        if name == _PATTERN and str(reduction) not in _DEVICE_PATTERN_REDUCTIONS:
-            self.reads[(name, layer)] = values  # reduced over its keys on the host, once they are cut
+        if self._host_reduction(name) is not None:
+            self.reads[(name, layer)] = values
             return
         tokens, batch = values.shape[:2]
         reduced, _ = reduction.apply(values.reshape(tokens * batch, *values.shape[2:]), HOOK_SITES[name].dims)
@@ -127,7 +132,7 @@ class CapturePlan:
             return Slot(name, layer, offset, shape, LOGIT_LENS_DIMS, "none")
         reduction = self.spec.reduction_for(name)
         dims = tuple(HOOK_SITES[name].dims)
-        if name == _PATTERN and str(reduction) not in _DEVICE_PATTERN_REDUCTIONS:
+        if self._host_reduction(name) is not None:
             return Slot(name, layer, offset, shape, dims, str(reduction), host_reduction=reduction)
         return Slot(name, layer, offset, shape, tuple(reduction.dims_after(dims)), str(reduction))
 

@@ -132,14 +132,19 @@ class ScopeObserver(NoObserver):
         self.steps_read = (step.index + 1, step.end)
         if self.client is None:
             return
-        # a finished prompt's row is streamed up to its last token, then it is padding, not text
-        windows = {row: (0, position + 1) for row, position in self.last_position.items()}
-        self._stream(records, step.index, windows, {row: step.end - 1 for row in range(len(step.draw.tokens))},
-                     self.spec)
+        windows, lens_positions = self._windows(step)
+        self._stream(records, step.index, windows, lens_positions, self.spec)
         for attribution in attributions:
             self.frames.send_data(attribution.data_frame(self.id, step.index))
-        self.last_position.update({row: step.end for row in step.finished})
         self._send_tokens(step)
+
+    def _windows(self, step):
+        """Rank 0: (each prompt's window of positions to stream, the position its logit lens is read at) for
+        ``step``; then the prompts that finished with it are noted. A finished prompt's row is streamed up to its
+        last token, then it is padding, not text."""
+        windows = {row: (0, position + 1) for row, position in self.last_position.items()}
+        self.last_position.update({row: step.end for row in step.finished})
+        return windows, {row: step.end - 1 for row in range(len(step.draw.tokens))}
 
     def _stream_from_thread(self, step):
         """The static cache's step: rank 0 hands its packed capture (still on the device) and what the step chose
@@ -147,9 +152,7 @@ class ScopeObserver(NoObserver):
         self.steps_read = (step.index + 1, step.end)
         if self.client is None:
             return
-        windows = {row: (0, position + 1) for row, position in self.last_position.items()}
-        lens_positions = {row: step.end - 1 for row in range(len(step.draw.tokens))}
-        self.last_position.update({row: step.end for row in step.finished})
+        windows, lens_positions = self._windows(step)
         packed, spec = step.readout, self.spec
 
         def send(host_values):

@@ -51,15 +51,16 @@ class StepStream:
     def submit(self, values, work):
         """Model thread: land ``values`` (a flat device tensor, or None) on the host and queue ``work`` after it."""
         if values is None:
-            self._pending.put((None, None, work))
+            self._pending.put((None, None, None, work))
             return
-        host = self._buffer(values.numel())
+        buffer = self._buffer(values.numel())
+        host = buffer[:values.numel()]
         host.copy_(values, non_blocking=True)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        self._pending.put((host, done, work))
+        self._pending.put((buffer, host, done, work))
 
     def flush(self):
         self._pending.join()
@@ -75,14 +76,14 @@ class StepStream:
             self._buffers += 1
             return self._new(numel)
         buffer = self._free.get()
-        return buffer[:numel] if buffer.numel() >= numel else self._new(numel)
+        return buffer if buffer.numel() >= numel else self._new(numel)
 
     def _new(self, numel):
         return torch.empty(numel, dtype=torch.float32, pin_memory=self.device.type == "cuda")
 
     def _run(self):
         while (item := self._pending.get()) is not None:
-            host, done, work = item
+            buffer, host, done, work = item
             try:
                 if done is not None:
                     done.synchronize()
@@ -90,6 +91,6 @@ class StepStream:
             except Exception:  # noqa: BLE001  a failed frame must not end the generation or the thread
                 log.exception("MegaScope could not stream a step")
             finally:
-                if host is not None:
-                    self._free.put(host._base if host._base is not None else host)
+                if buffer is not None:
+                    self._free.put(buffer)
                 self._pending.task_done()

@@ -4,6 +4,14 @@ from megascope.hook_sites import PERTURBATION_TARGETS, captured_full_names
 from megascope.perturbations import NOISE_TYPES
 from megascope.reductions import REDUCTION_FORMS
 
+# What a generation runs on megatron-core's eager inference path for, rather than on the static cache where the
+# capture is compiled into each (CUDA-graphed) step, and why (megascope/inference_session.py).
+EAGER_FEATURES = {
+    "patch": "a patch writes the positions of each step, which a graph cannot follow",
+    "attribution": "attribution reads the token each step chose, after the step",
+    "calculation": "calculation noise draws new noise in every forward, which a graph would replay",
+}
+
 
 def welcome_info(args, vocab_size):
     """The welcome's model shape and parallel layout, and the hooks, reductions, noise kinds and perturbation
@@ -18,11 +26,3 @@ def welcome_info(args, vocab_size):
             "perturbation_targets": {kind: list(targets) for kind, targets in PERTURBATION_TARGETS.items()},
             "eager": EAGER_FEATURES}
 
-
-# What a generation runs on megatron-core's eager inference path for, rather than on the static cache where the
-# capture is compiled into each (CUDA-graphed) step, and why (megascope/inference_session.py).
-EAGER_FEATURES = {
-    "patch": "a patch writes the positions of each step, which a graph cannot follow",
-    "attribution": "attribution reads the token each step chose, after the step",
-    "calculation": "calculation noise draws new noise in every forward, which a graph would replay",
-}

@@ -90,8 +90,8 @@ def _killed_child() -> tuple[int, int] | None:
 def watch_helpers() -> None:
     """While this rank runs, a process it started that is killed or crashes (a checkpoint writer: megatron-core's
     save then waited on its queue forever; a data loader's worker; a multiprocessing helper) ends the rank in one
-    line, from a SIGCHLD handler, wherever it waits. Not once the rank
-    ends (its exit handlers stop such processes themselves). Linux, main thread only."""
+    line, from a SIGCHLD handler, wherever it waits. Not once the rank ends (its exit handlers stop such processes
+    themselves). Linux, main thread only."""
     global _watching_helpers
     if _libc is None or _watching_helpers:
         return
