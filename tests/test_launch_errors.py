@@ -2,10 +2,11 @@
 
 import concurrent.futures
 import signal
+import subprocess
 import sys
 
 import pytest
-from helpers.launch import PLUGINS, REPO, TINY_GPT, gpt_data_args, run_script, run_script_cases, torchrun
+from helpers.launch import PLUGINS, REPO, TINY_GPT, child_env, gpt_data_args, run_script, run_script_cases, torchrun
 
 from megatron.training.errors import exit_on_user_error
 
@@ -205,3 +206,34 @@ def test_ctrl_c_before_training_is_one_line_and_exit_code_130(capsys, monkeypatc
         signal.signal(signal.SIGTERM, sigterm)
     assert stopped.value.code == 130
     assert capsys.readouterr().err == "pretrain_gpt.py: interrupted by SIGINT (Ctrl-C) before it finished\n"
+
+
+def test_an_exit_caught_in_process_does_not_end_the_process_later():
+    """The deadline on a rank's exit handlers is a timer: an exit that its caller catches (an entry point called
+    in-process, as the test above does) must not end the caller's process when the timer fires. It did: CI's
+    pytest ended with exit code 130 and no summary, 5 s after the test above. A real exit whose handler hangs
+    still ends at the deadline, with its code."""
+    script = (
+        "import atexit, sys, threading, time\n"
+        "from megatron.training import errors\n"
+        "errors.EXIT_HANDLERS_SECONDS = 0.05\n"
+        "@errors.exit_on_user_error\n"
+        "def main():\n"
+        "    raise errors.UserError('caught')\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as stopped:\n"
+        "    assert stopped.code == 2\n"
+        "for timer in [t for t in threading.enumerate() if isinstance(t, threading.Timer)]:\n"
+        "    timer.join()\n"
+        "print('still running', flush=True)\n"
+        "atexit.register(time.sleep, 600)\n"
+        "@errors.exit_on_user_error\n"
+        "def again():\n"
+        "    raise errors.UserError('not caught')\n"
+        "again()\n")
+    result = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == "still running\n"
+    assert result.stderr.splitlines()[-1].endswith("error: not caught"), result.stderr

@@ -81,6 +81,21 @@ def _report_lost_peer(error):
         _exit(1)
 
 
+def _bound_exit_handlers(code, once_exiting):
+    """End the process with ``code`` if its exit handlers still run EXIT_HANDLERS_SECONDS from now: one that waits
+    for a process this rank lost (megatron-core's checkpoint queue, its writer killed) would keep the rank alive. A
+    daemon timer, so an ordinary exit never waits for it. ``once_exiting``: the exit is a ``SystemExit`` that its
+    caller may catch (a test calling an entry point in-process), so the timer ends the process only if the
+    interpreter is exiting by then (its main thread stopped, as it is while the exit handlers run)."""
+    def end():
+        if not once_exiting or not threading.main_thread().is_alive():
+            os._exit(code)
+
+    deadline = threading.Timer(EXIT_HANDLERS_SECONDS, end)
+    deadline.daemon = True
+    deadline.start()
+
+
 def _exit(code, failed=False):
     """End the process with ``code``.
 
@@ -94,13 +109,10 @@ def _exit(code, failed=False):
     stop_watching_helpers()
     if failed:
         ending_on_purpose(failed=True)
-    # An exit handler that waits for a process this rank lost (megatron-core's checkpoint queue, its writer killed)
-    # would keep the rank alive: the handlers get EXIT_HANDLERS_SECONDS. A daemon timer: an ordinary exit never waits.
-    deadline = threading.Timer(EXIT_HANDLERS_SECONDS, os._exit, (code,))
-    deadline.daemon = True
-    deadline.start()
     if not _process_group_is_up():
+        _bound_exit_handlers(code, once_exiting=True)
         sys.exit(code)
+    _bound_exit_handlers(code, once_exiting=False)
     atexit._run_exitfuncs()  # what the teardown would run first; atexit has no public call for it
     sys.stdout.flush()
     sys.stderr.flush()
