@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from http import HTTPStatus
 
@@ -27,32 +26,13 @@ from megatron.inference.openai_requests import OpenAIRequest, parse_chat, parse_
 from megatron.inference.prompts import sampling_fields
 from megatron.inference.request_body import BodyRefused, read_body
 from megatron.inference.requests import load_json
-from megatron.inference.service import Job, ServerLost, StopAtNextStep, pick_seed
+from megatron.inference.service import Job, ServerLost, pick_seed
 
 log = logging.getLogger("megatron.inference.openai")
 
 # route -> (parse the body, shape the whole answer, the stream chunks' object)
 ROUTES = {"/v1/completions": (parse_completion, completion_answer, "text_completion"),
           "/v1/chat/completions": (parse_chat, chat_answer, "chat.completion.chunk")}
-
-
-class TokenStream(StopAtNextStep):
-    """Rank 0's observer of a streamed generation: hands each step's new tokens to the answering thread
-    (``events``: (row, token, log-probability, [[id, log-probability], ...])); cancels the generation at its next
-    step once every choice has met a stop string (``all_stopped``), besides StopAtNextStep's reasons."""
-
-    def __init__(self, service, job):
-        super().__init__(service, job)
-        self.events: queue.Queue = queue.Queue()
-        self.all_stopped = False
-
-    def poll(self):
-        return {"cancel": True} if self.all_stopped else super().poll()
-
-    def step_done(self, step):
-        for row in step.sampled:
-            best = list(zip(step.draw.best_ids[row].tolist(), step.draw.best_logprobs[row].tolist()))
-            self.events.put((row, int(step.draw.tokens[row]), float(step.draw.logprobs[row]), best))
 
 
 def get(handler) -> None:
@@ -125,10 +105,10 @@ def _chunk(header: dict, chat: bool, index: int, text: str, logprobs, reason: st
 def _stream(handler, job: Job, parsed: OpenAIRequest, chunk_kind: str) -> None:
     """Submit ``job`` and answer with its tokens as server-sent events while they come."""
     service, encoder = handler.server.service, handler.server.encoder
-    observer = TokenStream(service, job)
-    job.observer = observer
+    events: queue.Queue = queue.Queue()
+    job.stream = events.put
+    job.add_done_callback(lambda _: events.put(None))
     service.submit(job, refuse_if_busy=False)  # ProtocolError("busy") before anything is sent
-    threading.Thread(target=lambda: (job.done.wait(), observer.events.put(None)), daemon=True).start()
     chat = chunk_kind.startswith("chat")
     header = answer_header(chunk_kind, parsed.model)
     rows = len(job.payload["prompts"])
@@ -138,8 +118,8 @@ def _stream(handler, job: Job, parsed: OpenAIRequest, chunk_kind: str) -> None:
         for row in range(rows):
             handler.send_event({**header, "choices": [{"index": row, "delta": {"role": "assistant", "content": ""},
                                                        "logprobs": None, "finish_reason": None}]})
-    while (event := observer.events.get()) is not None:
-        row, token, logprob, best = event
+    while (event := events.get()) is not None:
+        row, token, logprob, best = event.row, event.token, event.logprob, event.best
         text = texts[row]
         if text.stopped:
             continue
@@ -150,7 +130,8 @@ def _stream(handler, job: Job, parsed: OpenAIRequest, chunk_kind: str) -> None:
             logprobs = (chat_logprobs if chat else completion_logprobs)(encoder, [token], [logprob], pairs)
         handler.send_event(_chunk(header, chat, row, text.delta(final=False), logprobs,
                                   "stop" if text.stopped else None))
-        observer.all_stopped = all(text.stopped for text in texts)
+        if all(text.stopped for text in texts):
+            job.cancel()  # every choice has met a stop string: the rest would be cut
     if job.error is not None:
         message = str(job.error) if isinstance(job.error, (ProtocolError, NonFiniteLogits, ServerLost)) else \
             "generation failed; see the server log"

@@ -33,32 +33,81 @@ class ServerLost(Exception):  # noqa: N818  what the requester is told, not a bu
     """A rank of the server died: the generation in flight cannot finish (answered 500, in one line)."""
 
 
+@dataclass(frozen=True)
+class TokenEvent:
+    """One new token of a streamed request: its prompt's ``row`` in the request, the token, the unmodified model's
+    log-probability of it and its ``best`` [(token id, log-probability)] (params.top_logprobs of them)."""
+    row: int
+    token: int
+    logprob: float
+    best: list
+
+
 @dataclass
 class Job:
     """``payload`` goes to every rank: {"kind": "generate", "prompts", "params": SamplingParams fields,
-    "session": session data} or {"kind": "control", ...} or {"kind": "stop"}. ``observer`` (rank 0) streams
-    the generation; ``done`` is set with ``result`` or ``error`` when it has run."""
+    "session": session data} or {"kind": "control", ...} or {"kind": "stop"}. The serving side (rank 0) gives
+    ``stream`` to see each token as it comes, waits for ``done`` (or ``add_done_callback``) and reads ``result``
+    or ``error``. ``observer``: a MegaScope generation's (it holds the model for itself)."""
     payload: dict
     observer: object = None
     source: str = "rest"
+    # Rank 0, the model's thread: called with each TokenEvent of the generation, in order (REST streaming).
+    stream: Callable[[TokenEvent], None] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     answered: threading.Event = field(default_factory=threading.Event)  # its requester has its answer (REST)
-    cancelled: bool = False   # set by its requester: it ends at its next step and holds the model no longer
+    cancelled: bool = False   # set by ``cancel``: it ends at its next step and holds the model no longer
     # Rank 0, between steps: whether its requester left (a REST client that closed its connection); it ends then.
     requester_gone: Callable[[], bool] = lambda: False
     result: object = None
     error: BaseException = None
+    _callbacks: list = field(default_factory=list)
+    _callbacks_lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def cancel(self) -> None:
+        """The requester wants no more tokens (it left, or has what it needs): the generation ends at its next step,
+        with what it has."""
+        self.cancelled = True
+
+    def add_done_callback(self, callback: Callable[["Job"], None]) -> None:
+        """``callback(job)`` once the job is done, on the thread that finishes it (at once if it is done already):
+        an event loop hands it over with ``call_soon_threadsafe``."""
+        with self._callbacks_lock:
+            if not self.done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def finish(self, result=None, error=None) -> None:
+        """Record the outcome, set ``done`` and run the callbacks (once)."""
+        with self._callbacks_lock:
+            if self.done.is_set():
+                return
+            self.result, self.error = result, error
+            self.done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
 
 
 class StopAtNextStep(NoObserver):
     """Rank 0's observer of a REST generation: cancels it at its next step once the service is stopping or
-    its requester has gone (every rank's observer acts on the cancel)."""
+    its requester has gone or cancelled it (every rank's observer acts on the cancel); hands each new token to
+    the job's ``stream``."""
 
     def __init__(self, service, job):
         self.service, self.job = service, job
 
     def poll(self):
-        return {"cancel": True} if self.service.stopping or self.job.requester_gone() else None
+        job = self.job
+        return {"cancel": True} if self.service.stopping or job.cancelled or job.requester_gone() else None
+
+    def step_done(self, step):
+        if self.job.stream is None:
+            return
+        for row in step.sampled:
+            best = list(zip(step.draw.best_ids[row].tolist(), step.draw.best_logprobs[row].tolist()))
+            self.job.stream(TokenEvent(row, int(step.draw.tokens[row]), float(step.draw.logprobs[row]), best))
 
 
 def pick_seed(seed):
@@ -88,8 +137,7 @@ class GenerationService:
         with self._lock:
             unfinished, self._unfinished = self._unfinished, []
         for job in unfinished:
-            job.error = ServerLost("a rank of the server died during this generation; the server stops")
-            job.done.set()
+            job.finish(error=ServerLost("a rank of the server died during this generation; the server stops"))
         for job in unfinished:
             if job.source == "rest":
                 job.answered.wait(ANSWER_AT_EXIT_SECONDS)
@@ -137,10 +185,9 @@ class GenerationService:
         """The stop job, once every generation still queued has been answered with an error."""
         while (job := self._jobs.get()).payload["kind"] != "stop":
             if job.source != "control":
-                job.error = ProtocolError("busy", "the server stopped before this generation ran")
                 with self._lock:
                     self._unfinished.remove(job)
-                job.done.set()
+                job.finish(error=ProtocolError("busy", "the server stopped before this generation ran"))
         return job
 
     def _generate(self, job, payload):
@@ -153,7 +200,7 @@ class GenerationService:
             return generate_share(self.engine, payload["prompts"], params, observer)
         if parallel_state.get_data_parallel_rank() != 0:
             return None
-        observer = job.observer if job else self.observer_factory(payload)
+        observer = (job.observer or StopAtNextStep(self, job)) if job else self.observer_factory(payload)
         return self.engine.generate(payload["prompts"], params, observer)
 
     def serve_forever(self, rank):
@@ -163,21 +210,19 @@ class GenerationService:
             payload = agree(job.payload if job else None, self.device)
             if payload["kind"] == "stop":
                 return
+            result = error = None
             try:
                 if payload["kind"] == "control":
                     self.on_control(payload)
                 elif payload["kind"] == "generate":
                     result = self._generate(job, payload)
-                    if job:
-                        job.result = result
-            except NonFiniteLogits as error:  # every rank of the replica raised it: the generation ends, all go on
-                if job:
-                    job.error = error
-            except Exception as error:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
-                if not job or is_peer_loss(error):
+            except NonFiniteLogits as broken:  # every rank of the replica raised it: the generation ends, all go on
+                error = broken
+            except Exception as failure:  # noqa: BLE001  reported to the requester on rank 0, re-raised elsewhere
+                if not job or is_peer_loss(failure):
                     raise  # the rank ends with the death's line; fail_unfinished answers the requester
-                job.error = error
+                error = failure
             if job and job.source != "control":
                 with self._lock:
                     self._unfinished.remove(job)
-                job.done.set()
+                job.finish(result, error)
