@@ -1,4 +1,4 @@
-"""A capture compiled into the generation step: the static cache's ``StepReadout`` (megatron/inference/static_cache.py).
+"""A capture compiled into the generation step: the slot cache's ``StepReadout`` (megatron/inference/slot_cache.py).
 
 ``Capture`` (megascope/capture.py) copies each hooked tensor and reduces it on the host after the step, which on a
 GPU is a device-to-host copy and a sync per hook. A ``CapturePlan`` does the same reads with hooks whose work is device

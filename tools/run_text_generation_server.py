@@ -59,6 +59,15 @@ def _server_args(parser):
     g.add_argument("--max-tokens-to-generate", type=int, default=Limits.max_tokens_to_generate)
     g.add_argument("--max-prompts", type=int, default=Limits.max_prompts,
                    help="prompts per request, REST and WebSocket alike (Megatron-LM's REST server took 128)")
+    g.add_argument("--inference-max-requests", type=int, default=32,
+                   help="prompts generated at once (the KV cache's slots): concurrent REST requests share one batch "
+                   "of this many rows, the others wait; 1 serves one prompt at a time")
+    g.add_argument("--inference-max-seq-length", type=int, default=None,
+                   help="positions of each slot, prompt and new tokens (default: --max-position-embeddings); the KV "
+                   "cache holds --inference-max-requests x this many positions per layer")
+    g.add_argument("--inference-max-prefill-tokens", type=int, default=512,
+                   help="prompt tokens a batch step reads beside its decoding rows; a longer prompt is read in chunks "
+                   "over several steps, so running requests wait at most that long for a new one")
 
 
 def _check(args):
@@ -69,9 +78,13 @@ def _check(args):
         if not 0 <= getattr(args, flag) <= 65535:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: a port is 0..65535")
     for flag in ("ws_max_message_bytes", "ws_max_messages_per_second", "ws_send_queue_frames",
-                 "max_tokens_to_generate", "max_prompts"):
+                 "max_tokens_to_generate", "max_prompts", "inference_max_requests", "inference_max_prefill_tokens"):
         if getattr(args, flag) < 1:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be at least 1")
+    model_length = args.max_position_embeddings or args.seq_length
+    if args.inference_max_seq_length is not None and not 2 <= args.inference_max_seq_length <= model_length:
+        raise ArgumentError(f"--inference-max-seq-length {args.inference_max_seq_length}: must be 2..{model_length} "
+                            f"(the model's --max-position-embeddings)")
 
 
 def _start_websocket(args, service, encoder, model, limits):
@@ -145,11 +158,13 @@ def main():
     args, model, tokenizer = setup_for_generation(sys.argv[1:], "run_text_generation_server.py",
                                                   pretrain_gpt.model_provider, extra_args_provider=_server_args,
                                                   check_args=_check)
-    max_length = args.max_position_embeddings or args.seq_length
+    max_length = args.inference_max_seq_length or args.max_position_embeddings or args.seq_length
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    engine = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, max_length, device)
+    engine = GenerationEngine(model, tokenizer.vocab_size, tokenizer.eod, max_length, device,
+                              slots=args.inference_max_requests)
     service = GenerationService(engine, device, _observer_factory(args, model),
-                                functools.partial(_apply_control, args, model))
+                                functools.partial(_apply_control, args, model),
+                                prefill_tokens=args.inference_max_prefill_tokens)
     rank = torch.distributed.get_rank()
     rest = websocket = None
     # Every rank has its model before rank 0 says it listens: "server pid" means the whole server is up.

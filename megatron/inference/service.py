@@ -11,18 +11,21 @@ queued ones and ends every rank's loop.
 """
 
 import atexit
+import collections
 import queue
 import secrets
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
+import torch
 from megatron.core import parallel_state
 
+from megatron.inference.batch_schedule import BatchSchedule
+from megatron.inference.batcher import Batcher
 from megatron.inference.engine import NonFiniteLogits, NoObserver, agree
 from megatron.inference.errors import ProtocolError
+from megatron.inference.jobs import Job, TokenEvent
 from megatron.inference.replicas import generate_share
-from megatron.inference.sampling import SamplingParams
+from megatron.inference.sampling import DrawPlan, SamplingParams
 from megatron.training.peer_watch import is_peer_loss
 
 IDLE_HEARTBEAT_SECONDS = 30
@@ -31,63 +34,6 @@ ANSWER_AT_EXIT_SECONDS = 2.0  # how long the end of rank 0 waits for the answers
 
 class ServerLost(Exception):  # noqa: N818  what the requester is told, not a bug
     """A rank of the server died: the generation in flight cannot finish (answered 500, in one line)."""
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One new token of a streamed request: its prompt's ``row`` in the request, the token, the unmodified model's
-    log-probability of it and its ``best`` [(token id, log-probability)] (params.top_logprobs of them)."""
-    row: int
-    token: int
-    logprob: float
-    best: list
-
-
-@dataclass
-class Job:
-    """``payload`` goes to every rank: {"kind": "generate", "prompts", "params": SamplingParams fields,
-    "session": session data} or {"kind": "control", ...} or {"kind": "stop"}. The serving side (rank 0) gives
-    ``stream`` to see each token as it comes, waits for ``done`` (or ``add_done_callback``) and reads ``result``
-    or ``error``. ``observer``: a MegaScope generation's (it holds the model for itself)."""
-    payload: dict
-    observer: object = None
-    source: str = "rest"
-    # Rank 0, the model's thread: called with each TokenEvent of the generation, in order (REST streaming).
-    stream: Callable[[TokenEvent], None] | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-    answered: threading.Event = field(default_factory=threading.Event)  # its requester has its answer (REST)
-    cancelled: bool = False   # set by ``cancel``: it ends at its next step and holds the model no longer
-    # Rank 0, between steps: whether its requester left (a REST client that closed its connection); it ends then.
-    requester_gone: Callable[[], bool] = lambda: False
-    result: object = None
-    error: BaseException = None
-    _callbacks: list = field(default_factory=list)
-    _callbacks_lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def cancel(self) -> None:
-        """The requester wants no more tokens (it left, or has what it needs): the generation ends at its next step,
-        with what it has."""
-        self.cancelled = True
-
-    def add_done_callback(self, callback: Callable[["Job"], None]) -> None:
-        """``callback(job)`` once the job is done, on the thread that finishes it (at once if it is done already):
-        an event loop hands it over with ``call_soon_threadsafe``."""
-        with self._callbacks_lock:
-            if not self.done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
-
-    def finish(self, result=None, error=None) -> None:
-        """Record the outcome, set ``done`` and run the callbacks (once)."""
-        with self._callbacks_lock:
-            if self.done.is_set():
-                return
-            self.result, self.error = result, error
-            self.done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            callback(self)
 
 
 class StopAtNextStep(NoObserver):
@@ -115,9 +61,11 @@ def pick_seed(seed):
 
 
 class GenerationService:
-    """Rank 0's side: submit jobs; ``serve_forever`` runs them on every rank."""
+    """Rank 0's side: submit jobs; ``serve_forever`` runs them on every rank. ``batching``: REST requests join one
+    continuous batch (megatron/inference/batcher.py) where the engine's slot cache serves the model; ``prefill_tokens``:
+    the prompt tokens a batch step reads at most beside its decoding rows."""
 
-    def __init__(self, engine, device, observer_factory=None, on_control=None):
+    def __init__(self, engine, device, observer_factory=None, on_control=None, batching=True, prefill_tokens=512):
         self.engine = engine
         self.device = device
         # Builds the observer of a generation on ranks other than 0 from the job's payload.
@@ -128,6 +76,15 @@ class GenerationService:
         self._lock = threading.Lock()
         self._unfinished = []   # submitted generations, in order, until they have run
         self.stopping = False   # set by stop: the running generation is cancelled at its next step
+        cache = engine.cache if batching else None
+        self.batcher = self.schedule = None
+        if cache is not None:
+            if torch.distributed.get_rank() == 0:
+                self.schedule = BatchSchedule(parallel_state.get_data_parallel_world_size(), cache.slots,
+                                              cache.length, prefill_tokens, engine.vocab_size, engine.eod,
+                                              cache.key_length)
+            self.batcher = Batcher(cache, self.schedule)
+        self._alone = collections.deque()  # rank 0: jobs that hold the model alone, waiting for the batch to drain
         # However rank 0 ends (a peer's death ends it from the peer watch's thread, which runs the exit handlers),
         # the requests in flight get their answer first.
         atexit.register(self.fail_unfinished)
@@ -155,7 +112,7 @@ class GenerationService:
             self._jobs.put(job)
 
     def run(self, job):
-        """Submit a REST job and wait for its result (REST requests take turns)."""
+        """Submit a REST job and wait for its result."""
         self.submit(job, refuse_if_busy=False)
         job.done.wait()
         if job.error is not None:
@@ -173,22 +130,68 @@ class GenerationService:
             self.stopping = True
         self._jobs.put(Job(payload={"kind": "stop"}, source="control"))
 
+    # -- rank 0: what every rank does next --------------------------------------------------------------------
     def _next_job(self):
+        """The next job every rank runs: a step of the batch while it has work, else the next job that holds the
+        model alone (control, a WebSocket generation, a generation the batch cannot serve), else the next queued."""
+        self._answer_batched()
+        batch_busy = self.schedule is not None and (self.schedule.busy or self.batcher.in_flight)
+        self._take_queued(wait=not batch_busy and not self._alone)
+        if self.schedule is not None:
+            if self.schedule.busy:
+                # While a job waits to hold the model alone, no new prompt takes a slot: the batch drains.
+                return Job(payload=self.schedule.plan_step(admitting=not self._alone), source="control")
+            if self.batcher.in_flight:
+                return Job(payload={"kind": "flush"}, source="control")
         if self.stopping:
-            return self._refuse_queued()
+            self._refuse_queued()
+            return Job(payload={"kind": "stop"}, source="control")
+        if self._alone:
+            return self._alone.popleft()
+        return Job(payload={"kind": "idle"}, source="control")
+
+    def _take_queued(self, wait):
+        """Move the queued jobs in: batched generations into the schedule, the others in line to hold the model
+        alone. ``wait``: for one job, or the idle heartbeat's time."""
         try:
-            return self._jobs.get(timeout=IDLE_HEARTBEAT_SECONDS)
+            job = self._jobs.get(timeout=IDLE_HEARTBEAT_SECONDS) if wait else self._jobs.get_nowait()
         except queue.Empty:
-            return Job(payload={"kind": "idle"}, source="control")
+            return
+        while True:
+            payload = job.payload
+            if (self.schedule is not None and not self.stopping and payload["kind"] == "generate"
+                    and "scope" not in payload and not self._alone):
+                params = SamplingParams(**payload["params"])
+                self.schedule.add(job, params, DrawPlan.of(params, self.engine.vocab_size))
+            else:
+                self._alone.append(job)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _answer_batched(self):
+        """Cancel the batched requests whose requester left or cancelled (or all, once stopping); answer the
+        ended ones."""
+        if self.schedule is None:
+            return
+        for request in list(self.schedule.requests):
+            job = request.job
+            if self.stopping or job.cancelled or job.requester_gone():
+                self.schedule.cancel(request)
+        for request in self.schedule.finished_requests():
+            with self._lock:
+                self._unfinished.remove(request.job)
+            request.job.finish(None if request.error else request.generation(), request.error)
 
     def _refuse_queued(self):
-        """The stop job, once every generation still queued has been answered with an error."""
-        while (job := self._jobs.get()).payload["kind"] != "stop":
+        """Before the stop: every generation still in line is answered with an error (control jobs are dropped)."""
+        while self._alone:
+            job = self._alone.popleft()
             if job.source != "control":
                 with self._lock:
                     self._unfinished.remove(job)
                 job.finish(error=ProtocolError("busy", "the server stopped before this generation ran"))
-        return job
 
     def _generate(self, job, payload):
         """Every rank: a REST request's prompts are shared among the data-parallel replicas; a streamed generation
@@ -210,10 +213,18 @@ class GenerationService:
             payload = agree(job.payload if job else None, self.device)
             if payload["kind"] == "stop":
                 return
+            if payload["kind"] == "batch":
+                self.batcher.step(payload)
+                continue
+            if payload["kind"] == "flush":
+                self.batcher.flush()
+                continue
             result = error = None
             try:
                 if payload["kind"] == "control":
                     self.on_control(payload)
+                    if self.batcher is not None:
+                        self.batcher.cache.hooks_changed()
                 elif payload["kind"] == "generate":
                     result = self._generate(job, payload)
             except NonFiniteLogits as broken:  # every rank of the replica raised it: the generation ends, all go on
