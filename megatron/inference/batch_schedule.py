@@ -79,6 +79,19 @@ class BatchedRequest:
 
 
 @dataclass
+class Served:
+    """What the batch has done so far, for the server's progress lines."""
+    requests: int = 0
+    tokens: int = 0
+    steps: int = 0
+
+    def line(self, seconds: float, running: int, waiting: int) -> str:
+        rate = self.tokens / seconds if seconds > 0 else 0.0
+        return (f"batch: {self.requests} requests served, {self.tokens} tokens in {self.steps} steps "
+                f"({rate:.1f} tokens/s); {running} prompts running, {waiting} waiting")
+
+
+@dataclass
 class _Launched:
     """What one step launched, per replica, to read its results by: the sequences of its prefill rows (and which
     of them drew) and of its decode rows, the plans."""
@@ -102,6 +115,7 @@ class BatchSchedule:
         self._clear: set[tuple[int, int]] = set()   # slots a broken sequence held: zeroed before reuse
         self._free: set[tuple[int, int]] = set()    # slots freed since the last step: parked by it
         self._in_flight: collections.deque[_Launched] = collections.deque()  # steps whose results are not read
+        self.served = Served()
 
     # -- requests in and out --------------------------------------------------------------------------------
     def add(self, job: Job, params: SamplingParams, plan: DrawPlan) -> None:
@@ -130,6 +144,7 @@ class BatchSchedule:
         done = [request for request in self.requests if request.ended]
         for request in done:
             self._release(request)
+            self.served.requests += 1
         self.requests = [request for request in self.requests if not request.ended]
         return done
 
@@ -143,6 +158,10 @@ class BatchSchedule:
 
     # -- the next step ----------------------------------------------------------------------------------------
     def plan_step(self, admitting: bool = True) -> dict:
+        self.served.steps += 1
+        return self._plan_step(admitting)
+
+    def _plan_step(self, admitting: bool) -> dict:
         """The message every rank executes for the next step (see batcher.py); ``admitting``: new sequences may
         take slots (False while a generation waits to hold the model alone)."""
         replicas = {replica: {"admit": [], "free": [], "clear": [], "prefill": None, "decode": None}
@@ -267,6 +286,7 @@ class BatchSchedule:
             self._release(request)
             return
         sequence.tokens.append(token)
+        self.served.tokens += 1
         params = request.params
         if params.logprobs:
             sequence.logprobs.append(float(draw.logprobs[0]))

@@ -12,9 +12,11 @@ queued ones and ends every rank's loop.
 
 import atexit
 import collections
+import logging
 import queue
 import secrets
 import threading
+import time
 
 import torch
 from megatron.core import parallel_state
@@ -28,7 +30,9 @@ from megatron.inference.replicas import generate_share
 from megatron.inference.sampling import DrawPlan, SamplingParams
 from megatron.training.peer_watch import is_peer_loss
 
+log = logging.getLogger("megatron.inference")
 IDLE_HEARTBEAT_SECONDS = 30
+PROGRESS_SECONDS = 30  # how often a busy batch logs its progress (and once more when the server stops)
 ANSWER_AT_EXIT_SECONDS = 2.0  # how long the end of rank 0 waits for the answers of the requests it fails
 
 
@@ -85,6 +89,7 @@ class GenerationService:
                                               cache.key_length)
             self.batcher = Batcher(cache, self.schedule)
         self._alone = collections.deque()  # rank 0: jobs that hold the model alone, waiting for the batch to drain
+        self._started = self._logged = time.monotonic()
         # However rank 0 ends (a peer's death ends it from the peer watch's thread, which runs the exit handlers),
         # the requests in flight get their answer first.
         atexit.register(self.fail_unfinished)
@@ -145,6 +150,7 @@ class GenerationService:
                 return Job(payload={"kind": "flush"}, source="control")
         if self.stopping:
             self._refuse_queued()
+            self._log_progress()
             return Job(payload={"kind": "stop"}, source="control")
         if self._alone:
             return self._alone.popleft()
@@ -175,6 +181,8 @@ class GenerationService:
         ended ones."""
         if self.schedule is None:
             return
+        if time.monotonic() - self._logged > PROGRESS_SECONDS and self.schedule.busy:
+            self._log_progress()
         for request in list(self.schedule.requests):
             job = request.job
             if self.stopping or job.cancelled or job.requester_gone():
@@ -183,6 +191,13 @@ class GenerationService:
             with self._lock:
                 self._unfinished.remove(request.job)
             request.job.finish(None if request.error else request.generation(), request.error)
+
+    def _log_progress(self):
+        if self.schedule is None:
+            return
+        self._logged = time.monotonic()
+        log.info(self.schedule.served.line(self._logged - self._started, len(self.schedule.holding),
+                                           len(self.schedule.waiting)))
 
     def _refuse_queued(self):
         """Before the stop: every generation still in line is answered with an error (control jobs are dropped)."""

@@ -38,7 +38,7 @@ def _result(job):
         return {"error": str(job.error)}
     generation = job.result
     return {"tokens": generation.tokens, "finish": generation.finish_reasons, "logprobs": generation.logprobs,
-            "top_logprobs": generation.top_logprobs}
+            "top_logprobs": generation.top_logprobs, "prompt_lengths": generation.prompt_lengths}
 
 
 def _serve(service, jobs, rank):
