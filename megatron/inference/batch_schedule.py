@@ -21,11 +21,10 @@ import itertools
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from megatron.inference.engine import Generation, NonFiniteLogits
 from megatron.inference.jobs import Job, TokenEvent
-from megatron.inference.sampling import Draw, DrawPlan, SamplingParams, unpack
+from megatron.inference.sampling import Draw, DrawPlan, SamplingParams
 
 
 @dataclass
@@ -249,6 +248,8 @@ class BatchSchedule:
         launched = self._in_flight.popleft()
         for replica, part in results.items():
             prefill_plan, decode_plan = launched.plans.get(replica, (None, None))
+            prefill_draws = _Draws(part["prefill"], prefill_plan) if "prefill" in part else None
+            decode_draws = _Draws(part["decode"], decode_plan) if "decode" in part else None
             if replica in launched.prefill:
                 rows = launched.prefill[replica]
                 scores = part.get("scores")
@@ -258,9 +259,9 @@ class BatchSchedule:
                     if sequence.read == len(sequence.prompt) and sequence.request.params.tokens_to_generate == 0:
                         self._end(sequence, "length")  # scored, nothing to generate
                     if drew:
-                        self._take(sequence, _row_draw(part["prefill"], index, prefill_plan))
+                        self._take(sequence, prefill_draws, index)
             for sequence in launched.decode.get(replica, []):
-                self._take(sequence, _row_draw(part["decode"], sequence.slot, decode_plan))
+                self._take(sequence, decode_draws, sequence.slot)
 
     def _score(self, sequence, values, start, count):
         """The prompt positions' log-probabilities of their next prompt tokens (and the best tokens there)."""
@@ -273,12 +274,13 @@ class BatchSchedule:
                 ids, logprobs = values[offset, 1:1 + best], values[offset, 1 + best:1 + 2 * best]
                 sequence.best.append([[int(token), float(value)] for token, value in zip(ids, logprobs)])
 
-    def _take(self, sequence, draw: Draw):
-        """One drawn token of ``sequence``, unless it already ended (a step launched before its end was read)."""
+    def _take(self, sequence, draws: _Draws, index: int):
+        """The token drawn for ``sequence`` in row ``index`` of ``draws``, unless it already ended (a step launched
+        before its end was read)."""
         request = sequence.request
         if sequence.finish is not None or request.error is not None:
             return
-        token = int(draw.tokens[0])
+        token = int(draws.tokens[index])
         if token == Draw.NON_FINITE:
             request.error = NonFiniteLogits([request.params.first_prompt + sequence.row],
                                             len(sequence.prompt) + len(sequence.tokens))
@@ -288,16 +290,14 @@ class BatchSchedule:
         sequence.tokens.append(token)
         self.served.tokens += 1
         params = request.params
+        logprob = float(draws.logprobs[index])
+        best = draws.best(index, params.top_logprobs)
         if params.logprobs:
-            sequence.logprobs.append(float(draw.logprobs[0]))
+            sequence.logprobs.append(logprob)
             if params.top_logprobs:
-                sequence.best.append([[int(token), float(value)] for token, value in
-                                      zip(draw.best_ids[0][:params.top_logprobs].tolist(),
-                                          draw.best_logprobs[0][:params.top_logprobs].tolist())])
+                sequence.best.append(best)
         if request.job.stream is not None:
-            best = list(zip(draw.best_ids[0][:params.top_logprobs].tolist(),
-                            draw.best_logprobs[0][:params.top_logprobs].tolist()))
-            request.job.stream(TokenEvent(sequence.row, token, float(draw.logprobs[0]), best))
+            request.job.stream(TokenEvent(sequence.row, token, logprob, best))
         if token == self.eod or token in params.stop_tokens:
             self._end(sequence, "stop")
         elif len(sequence.tokens) == params.tokens_to_generate:
@@ -319,5 +319,16 @@ def _union(plans) -> DrawPlan:
     return result
 
 
-def _row_draw(packed: np.ndarray, index: int, plan: DrawPlan) -> Draw:
-    return unpack(torch.from_numpy(np.ascontiguousarray(packed[index:index + 1])), plan)
+class _Draws:
+    """One step's packed draws (numpy, sampling.py's layout) read row by row without unpacking each row."""
+
+    def __init__(self, packed: np.ndarray, plan: DrawPlan):
+        self.tokens, self.logprobs = packed[:, 0].astype(np.int64), packed[:, 2]
+        start = 3 + 2 * plan.report
+        self._best_ids = packed[:, start:start + plan.best].astype(np.int64)
+        self._best_logprobs = packed[:, start + plan.best:start + 2 * plan.best]
+
+    def best(self, index: int, count: int) -> list:
+        """[[token id, log-probability], ...] of the model's ``count`` most likely tokens at row ``index``."""
+        return [[int(token), float(value)] for token, value in
+                zip(self._best_ids[index, :count], self._best_logprobs[index, :count])]
