@@ -74,6 +74,7 @@ class ScopeObserver(NoObserver):
         self.plan = None     # the CapturePlan of self.spec there
         self.stream = None   # rank 0 there: the thread that streams each step
         self.frames = PatientSender(client) if client is not None else None  # rank 0: every data frame goes here
+        self._landed = {}    # rank 0 there: step index -> (its landed capture, its slots, its CaptureSpec)
 
     # -- the path: the static cache unless a feature hooks megatron-core's own path eagerly --
     def core_path(self):
@@ -83,6 +84,12 @@ class ScopeObserver(NoObserver):
         self.static = static_cache
         if static_cache and self.client is not None:
             self.stream = StepStream(self.device)
+
+    def step_launched(self, index, readout):
+        """Rank 0 on the slot cache: land the step's packed capture on the host now, before a later step overwrites
+        it; it is streamed once the step's tokens are known."""
+        if self.stream is not None and readout is not None:
+            self._landed[index] = (self.stream.land(readout.values), readout.slots, self.spec)
 
     def readout(self, index, start, end):
         if self.spec is None or not any(self.spec.wants_token(position) for position in range(start, end)):
@@ -153,14 +160,15 @@ class ScopeObserver(NoObserver):
         if self.client is None:
             return
         windows, lens_positions = self._windows(step)
-        packed, spec = step.readout, self.spec
+        # The capture of the step's launch: a set_capture may have changed it for the steps launched since.
+        landed, slots, spec = self._landed.pop(step.index, (None, None, self.spec))
 
         def send(host_values):
-            step_records = [] if packed is None else sorted(
-                records(host_values, packed.slots, spec, step.start, step.end), key=record_order)
+            step_records = [] if landed is None else sorted(
+                records(host_values, slots, spec, step.start, step.end), key=record_order)
             self._stream(step_records, step.index, windows, lens_positions, spec)
             self._send_tokens(step)
-        self.stream.submit(None if packed is None else packed.values, send)
+        self.stream.submit(landed, send)
 
     def close_stream(self):
         """Rank 0: every step streamed (the stream's thread ends)."""

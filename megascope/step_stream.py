@@ -1,6 +1,7 @@
-"""Rank 0's streaming of graphed steps: the model thread hands each step's packed readout over with one asynchronous
-device-to-host copy into pinned memory; a host thread waits for the copy, builds the step's frames and messages and
-queues them on the client, while the model runs the next steps.
+"""Rank 0's streaming of graphed steps: the model thread lands each step's packed readout with one asynchronous
+device-to-host copy into pinned memory as soon as the step is queued; once the step's tokens are known it hands the
+step to a host thread, which waits for the copy, builds the step's frames and messages and queues them on the
+client, while the model runs the next steps.
 
 The pinned buffers form a ring of ``DEPTH``: when the thread falls behind by that many steps the model waits for
 it, so the thread never falls further behind and nothing is dropped on the way. Frames go out through a
@@ -12,6 +13,7 @@ with a ``dropped`` report), so it never holds the model for long.
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 
 import torch
 
@@ -36,8 +38,17 @@ class PatientSender:
         self.client.send_data(frame)
 
 
+@dataclass
+class Landed:
+    """A step's values on their way into one of the stream's pinned buffers (``host``, complete once ``done``)."""
+    buffer: torch.Tensor
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+
+
 class StepStream:
-    """``submit(packed, work)``: ``work(host_values)`` runs on the stream's thread with the step's values in host
+    """``land(values)`` right after a step is queued (before the next step can overwrite them), ``submit(landed,
+    work)`` once its tokens are known: ``work(host_values)`` runs on the stream's thread with the step's values in host
     memory (valid during the call only); ``flush`` waits until every submitted step is done."""
 
     def __init__(self, device):
@@ -48,11 +59,9 @@ class StepStream:
         self._thread = threading.Thread(target=self._run, name="megascope-step-stream", daemon=True)
         self._thread.start()
 
-    def submit(self, values, work):
-        """Model thread: land ``values`` (a flat device tensor, or None) on the host and queue ``work`` after it."""
-        if values is None:
-            self._pending.put((None, None, None, work))
-            return
+    def land(self, values):
+        """Model thread: start copying ``values`` (a flat device tensor) into a free host buffer; waits for the thread
+        when all DEPTH are in use."""
         buffer = self._buffer(values.numel())
         host = buffer[:values.numel()]
         host.copy_(values, non_blocking=True)
@@ -60,7 +69,11 @@ class StepStream:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        self._pending.put((buffer, host, done, work))
+        return Landed(buffer, host, done)
+
+    def submit(self, landed, work):
+        """Model thread: queue ``work`` after ``landed`` (or with nothing to read: None)."""
+        self._pending.put((landed, work))
 
     def flush(self):
         self._pending.join()
@@ -83,14 +96,14 @@ class StepStream:
 
     def _run(self):
         while (item := self._pending.get()) is not None:
-            buffer, host, done, work = item
+            landed, work = item
             try:
-                if done is not None:
-                    done.synchronize()
-                work(host)
+                if landed is not None and landed.done is not None:
+                    landed.done.synchronize()
+                work(None if landed is None else landed.host)
             except Exception:  # noqa: BLE001  a failed frame must not end the generation or the thread
                 log.exception("MegaScope could not stream a step")
             finally:
-                if buffer is not None:
-                    self._free.put(buffer)
+                if landed is not None:
+                    self._free.put(landed.buffer)
                 self._pending.task_done()

@@ -15,27 +15,14 @@ sends its results to rank 0 over the data-parallel group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from megatron.core import parallel_state
 
+from megatron.inference.host_copy import HostCopy
 from megatron.inference.sampling import DrawPlan, SamplingParams
 from megatron.inference.scores import position_scores
 from megatron.inference.slot_cache import SlotCacheModel
 from megatron.training.collectives import gather_objects
-
-
-@dataclass
-class _StepResults:
-    """One step's results on their way to the host: name -> (host tensor, filled once ``ready`` has passed)."""
-    host: dict = field(default_factory=dict)
-    ready: torch.cuda.Event | None = None
-
-    def numpy(self) -> dict:
-        if self.ready is not None:
-            self.ready.synchronize()
-        return {name: tensor.numpy() for name, tensor in self.host.items()}
 
 
 class Batcher:
@@ -50,14 +37,14 @@ class Batcher:
         # The ranks that hold a replica's results for rank 0: the first of its tensor- and pipeline-parallel ranks.
         self.reports = (parallel_state.get_tensor_model_parallel_rank() == 0
                         and parallel_state.get_pipeline_model_parallel_rank() == 0)
-        self._pending: list[_StepResults | None] = []
+        self._pending: list[HostCopy | None] = []
 
     @torch.inference_mode()
     def step(self, message: dict) -> None:
         """Every rank: run ``message`` (one planned step), then hand the step before's results to rank 0."""
         part = message["replicas"].get(self.replica)
         results = self._run(part) if part is not None else {}
-        self._pending.append(self._to_host(results) if self.reports else None)
+        self._pending.append(HostCopy(results) if self.reports else None)
         if len(self._pending) > 1:
             self._report(self._pending.pop(0))
 
@@ -108,23 +95,11 @@ class Batcher:
                                                 self.device)
         return results
 
-    def _to_host(self, results):
-        """Start copying ``results`` (device tensors) to the host; the copies complete behind the step's work."""
-        pending = _StepResults()
-        for name, tensor in results.items():
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self.device.type == "cuda")
-            host.copy_(tensor, non_blocking=True)
-            pending.host[name] = host
-        if self.device.type == "cuda":
-            pending.ready = torch.cuda.Event()
-            pending.ready.record()
-        return pending
-
     def _report(self, pending):
         """Rank 0 takes the results of the oldest step run (every replica's)."""
         if not self.reports:
             return
-        ours = pending.numpy()
+        ours = {name: tensor.numpy() for name, tensor in pending.tensors().items()}
         if self.replicas > 1:
             parts = gather_objects(ours, parallel_state.get_data_parallel_group(), 0)
         else:

@@ -21,6 +21,7 @@ the replica's first rank (global rank 0 for the first replica) may hand a small 
 capture, perturbations) to every rank of the replica, so they all agree.
 """
 
+import collections
 import contextlib
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from megatron.core.inference.contexts import StaticInferenceContext
 from megatron.core.utils import unwrap_model
 
 from megatron.inference.greedy import logits as forward_logits
+from megatron.inference.host_copy import HostCopy
 from megatron.inference.last_stage import from_last_stage
 from megatron.inference.sampling import Draw, DrawPlan, RowParams, draw, unpack
 from megatron.inference.scores import position_scores
@@ -61,7 +63,7 @@ class Step:
     sampled: list
     finished: list
     draw: Draw
-    readout: torch.Tensor | None = None  # the packed tensor of the step's readout (static cache path), on device
+    readout: object = None  # the step's readout's packed tensor (slot cache path), on the device: may be rewritten
 
 
 @dataclass
@@ -92,8 +94,12 @@ class NoObserver:
         """Every rank: the path the generation runs on (``static_cache``: the static cache, else megatron-core's)."""
 
     def readout(self, index, start, end):
-        """Every rank, on the static cache path: the ``StepReadout`` of this step (positions [start, end)) or None."""
+        """Every rank, on the slot cache path: the ``StepReadout`` of this step (positions [start, end)) or None."""
         return None
+
+    def step_launched(self, index, readout):
+        """Every rank, on the slot cache path, right after the step is queued: its readout's packed tensor (on the
+        device, rewritten by a later step) or None. Its ``step_done`` may come after the next step is queued."""
 
     def poll(self):
         """Rank 0: a control message for every rank (a dict) or None."""
@@ -108,7 +114,8 @@ class NoObserver:
         return contextlib.nullcontext()
 
     def step_done(self, step):
-        """Every rank, inside ``forward``'s context, once the step's tokens are known."""
+        """Every rank, once the step's tokens are known: inside its ``forward`` context on megatron-core's path, on
+        the slot cache path inside the next step's."""
 
     def after(self, generation):
         """Every rank, after the last step (still in inference mode): the last tokens chosen were never read."""
@@ -182,50 +189,24 @@ class GenerationEngine:
         steps = _SlotSteps(self, tokens, lengths, params) if self._slot_path(observer, batch) else \
             _CoreSteps(self, tokens, lengths, params, total)
         observer.path_chosen(isinstance(steps, _SlotSteps))
-        start, position, index = 0, min(lengths), 0
+        state = _Progress(tokens, lengths, params, stops, generated, finish, logprobs, best)
+        launched = collections.deque()  # steps queued whose tokens are not read yet
+        start, end, index = 0, min(lengths), 0
         try:
             while True:
                 if observer.apply(agree_in_replica(observer.poll, self.device)):
-                    finish = [reason or "cancelled" for reason in finish]
+                    finish[:] = [reason or "cancelled" for reason in finish]
                     break
-                with observer.forward(index, start, position):
-                    readout = observer.readout(index, start, position) if isinstance(steps, _SlotSteps) else None
-                    packed, step_logits, read = steps.step(index, start, position, readout, logprobs is not None)
-                    if logprobs is not None and index == 0:  # the prompt's positions before the last
-                        top = params.top_logprobs if best is not None else 0
-                        scores = position_scores(None if step_logits is None else step_logits[:, :position - 1],
-                                                 tokens[:, 1:position], top, self.vocab_size, self.device).cpu()
-                        for row in range(batch):
-                            logprobs[row].extend(scores[row, :, 0].tolist())
-                            if best is not None:
-                                best[row].extend(_pairs(scores[row, :, 1:1 + top].long(), scores[row, :, 1 + top:]))
-                    chosen = unpack(packed.cpu(), steps.plan)
-                    broken = (chosen.tokens == Draw.NON_FINITE).nonzero().flatten().tolist()
-                    if broken:
-                        steps.broken()
-                        raise NonFiniteLogits([params.first_prompt + row for row in broken], position)
-                    sampled = [row for row in range(batch) if finish[row] is None and position >= lengths[row]]
-                    for row in sampled:
-                        token = int(chosen.tokens[row])
-                        tokens[row, position] = token
-                        generated[row] += 1
-                        if token in stops:
-                            finish[row] = "stop"
-                        elif generated[row] == params.tokens_to_generate:
-                            finish[row] = "length"
-                    if logprobs is not None:
-                        for row in range(batch):
-                            if position < lengths[row] or row in sampled:
-                                logprobs[row].append(float(chosen.logprobs[row]))
-                                if best is not None:
-                                    best[row].extend(_pairs(chosen.best_ids[row:row + 1, :params.top_logprobs],
-                                                            chosen.best_logprobs[row:row + 1, :params.top_logprobs]))
-                    finished = [row for row in sampled if finish[row] is not None]
-                    observer.step_done(Step(index, start, position, sampled, finished, chosen, read))
-                steps.advance(start, position)
-                start, position, index = position, position + 1, index + 1
-                reading_prompts = any(position < length for length in lengths)
-                if position >= total or (all(finish) and not reading_prompts):
+                with observer.forward(index, start, end):
+                    launched.append(self._launch(steps, observer, state, index, start, end))
+                    start, end, index = end, end + 1, index + 1
+                    last = end >= total  # the step just queued chose the last position there is
+                    ended = False
+                    # On the slot cache the next step is queued before this one's tokens are read (the device state
+                    # carries them over), so the host's reading overlaps the device's next step.
+                    while launched and (len(launched) > steps.ahead or last) and not ended:
+                        ended = self._take(launched.popleft(), state, observer, steps)
+                if ended or last:
                     break
         finally:
             steps.close()
@@ -235,6 +216,28 @@ class GenerationEngine:
         observer.after(generation)
         return generation
 
+    def _launch(self, steps, observer, state, index, start, end):
+        """Queue the step reading positions [start, end); the prompt's scores of the first step are read at once."""
+        readout = observer.readout(index, start, end) if isinstance(steps, _SlotSteps) else None
+        packed, step_logits, read = steps.step(index, start, end, readout, state.logprobs is not None)
+        observer.step_launched(index, read)
+        if state.logprobs is not None and index == 0:  # the prompt's positions before the last
+            state.score_prompts(step_logits, end, self.vocab_size, self.device)
+        steps.advance(start, end)
+        return _Queued(index, start, end, HostCopy({"draw": packed}), read)
+
+    def _take(self, queued, state, observer, steps):
+        """Read a queued step's tokens; whether the generation has ended with them."""
+        chosen = unpack(queued.draw.tensors()["draw"], steps.plan)
+        broken = (chosen.tokens == Draw.NON_FINITE).nonzero().flatten().tolist()
+        if broken:
+            steps.broken()
+            raise NonFiniteLogits([state.params.first_prompt + row for row in broken], queued.end)
+        sampled, finished = state.take(chosen, queued.end)
+        observer.step_done(Step(queued.index, queued.start, queued.end, sampled, finished, chosen, queued.readout))
+        reading_prompts = any(queued.end + 1 < length for length in state.lengths)
+        return all(state.finish) and not reading_prompts
+
     def _slot_path(self, observer, batch):
         """Whether this generation runs on the slot cache: one pipeline stage, no forward hooks (MegaScope's
         calculation noise acts in eager code only, and a CUDA graph would replay what they did at its capture) and
@@ -242,6 +245,55 @@ class GenerationEngine:
         cache = self.cache
         return (cache is not None and cache.model.pre_process and cache.model.post_process and batch <= cache.slots
                 and not observer.core_path() and not hooked(cache.model))
+
+
+@dataclass
+class _Queued:
+    """A step queued on the device: what it read and where its draw lands on the host."""
+    index: int
+    start: int
+    end: int
+    draw: HostCopy
+    readout: object
+
+
+class _Progress:
+    """A generation's tokens, ends and log-probabilities as its steps' draws are read."""
+
+    def __init__(self, tokens, lengths, params, stops, generated, finish, logprobs, best):
+        self.tokens, self.lengths, self.params, self.stops = tokens, lengths, params, stops
+        self.generated, self.finish, self.logprobs, self.best = generated, finish, logprobs, best
+
+    def score_prompts(self, step_logits, end, vocab_size, device):
+        """The log-probabilities of every prompt's tokens 1..end-1 (those the first step read and did not choose)."""
+        top = self.params.top_logprobs if self.best is not None else 0
+        scores = position_scores(None if step_logits is None else step_logits[:, :end - 1], self.tokens[:, 1:end],
+                                 top, vocab_size, device).cpu()
+        for row in range(len(self.lengths)):
+            self.logprobs[row].extend(scores[row, :, 0].tolist())
+            if self.best is not None:
+                self.best[row].extend(_pairs(scores[row, :, 1:1 + top].long(), scores[row, :, 1 + top:]))
+
+    def take(self, chosen, position):
+        """The draw ``chosen`` of the step that chose ``position``: (rows that generated a token, rows that ended)."""
+        params, batch = self.params, len(self.lengths)
+        sampled = [row for row in range(batch) if self.finish[row] is None and position >= self.lengths[row]]
+        for row in sampled:
+            token = int(chosen.tokens[row])
+            self.tokens[row, position] = token
+            self.generated[row] += 1
+            if token in self.stops:
+                self.finish[row] = "stop"
+            elif self.generated[row] == params.tokens_to_generate:
+                self.finish[row] = "length"
+        if self.logprobs is not None:
+            for row in range(batch):
+                if position < self.lengths[row] or row in sampled:
+                    self.logprobs[row].append(float(chosen.logprobs[row]))
+                    if self.best is not None:
+                        self.best[row].extend(_pairs(chosen.best_ids[row:row + 1, :params.top_logprobs],
+                                                     chosen.best_logprobs[row:row + 1, :params.top_logprobs]))
+        return sampled, [row for row in sampled if self.finish[row] is not None]
 
 
 class _SlotSteps:
@@ -262,6 +314,8 @@ class _SlotSteps:
                 forced[row, :length] = tokens[row, :length]
             self.cache.state.forced[:len(lengths)] = forced.to(self.cache.device)
         self.plan = DrawPlan.of(params, engine.vocab_size, forced=uneven)
+
+    ahead = 1  # the next step is queued before this one's tokens are read
 
     def step(self, index, start, end, readout, all_positions):
         """(the packed draw, every position's logits on the first step when ``all_positions`` else None, the
@@ -295,6 +349,8 @@ class _CoreSteps:
         self.row_params = RowParams(batch, engine.device)
         self.row_params.set(list(range(batch)), params, list(range(batch)))
         self.plan = DrawPlan.of(params, engine.vocab_size, forced=True)
+
+    ahead = 0  # the next step reads the tokens this one chose from the host
 
     def step(self, index, start, end, readout, all_positions):
         engine = self.engine
