@@ -11,7 +11,10 @@ clients, each client sends its share of the requests one after another on its ow
 - scoring: ``echo`` + ``logprobs`` with ``max_tokens`` 0 (what lm-evaluation-harness sends), ``--scoring-requests``
   in all, shared among the clients.
 Printed per row: total tokens/s (generated tokens over the wall time), requests/s, p50 and p99 latency, and the
-requests that got no answer (connection errors) or an error status.
+requests that got no answer (connection errors) or an error status. The server batches up to ``--slots`` prompts
+(``--inference-max-requests``); ``--one-at-a-time`` also runs each model with one slot, the reference that the
+batch is measured against (requests take turns, as before continuous batching). A warm-up at the largest client
+count first captures the decode step's CUDA graphs of every batch size it will meet.
 """
 
 import argparse
@@ -47,10 +50,10 @@ TINY = ("tiny", ["--num-layers", "2", "--hidden-size", "64", "--num-attention-he
 class Server:
     """The server on one process, started and stopped by this bench."""
 
-    def __init__(self, flags):
+    def __init__(self, flags, slots):
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                    os.path.join(REPO, "tools/run_text_generation_server.py"), *flags, "--port", "0",
-                   "--max-prompts", "16"]
+                   "--max-prompts", "16", "--inference-max-requests", str(slots), "--inference-max-seq-length", "512"]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         self.lines = []
@@ -108,6 +111,8 @@ def main():
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per generation (64; 8 tiny)")
     parser.add_argument("--scoring-requests", type=int, default=None, help="scoring requests per row (1000; 64 tiny)")
+    parser.add_argument("--slots", type=int, default=64, help="prompts the server batches (--inference-max-requests)")
+    parser.add_argument("--one-at-a-time", action="store_true", help="each model with one slot too, as a reference")
     options = parser.parse_args()
     unknown = set(options.models.split(",")) - set(MODELS)
     if unknown and not options.tiny:
@@ -118,20 +123,22 @@ def main():
     generate = {"model": "megatron", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0}
     score = {"model": "megatron", "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1}
     for name, flags in models:
-        server = Server(flags)
-        try:
-            load(server.url, 1, 1, generate)  # warm-up
-            rows = [("generation", load(server.url, clients, clients, generate)) for clients in options.clients]
-            rows += [("scoring", load(server.url, clients, max(scoring, clients), score))
-                     for clients in options.clients]
-        finally:
-            server.stop()
-        print(f"{name}: one process, {max_tokens} greedy tokens per generation, a 32-token prompt")
-        columns = ["clients", "requests", "tokens/s", "requests/s", "p50 s", "p99 s", "errors"]
-        print(f"  {'kind':>10} " + " ".join(f"{column:>12}" for column in columns))
-        for kind, row in rows:
-            print(f"  {kind:>10} " + " ".join(f"{row[c]:>12.2f}" if isinstance(row[c], float) else f"{row[c]:>12}"
-                                              for c in columns))
+        for slots in [options.slots, 1] if options.one_at_a_time else [options.slots]:
+            server = Server(flags, slots)
+            try:
+                top = max(options.clients)
+                load(server.url, top, top, generate)  # warm-up: every batch size's graph captured
+                rows = [("generation", load(server.url, clients, clients, generate)) for clients in options.clients]
+                rows += [("scoring", load(server.url, clients, max(scoring, clients), score))
+                         for clients in options.clients]
+            finally:
+                server.stop()
+            print(f"{name}: one process, {slots} slot(s), {max_tokens} greedy tokens per generation, a 32-token prompt")
+            columns = ["clients", "requests", "tokens/s", "requests/s", "p50 s", "p99 s", "errors"]
+            print(f"  {'kind':>10} " + " ".join(f"{column:>12}" for column in columns))
+            for kind, row in rows:
+                print(f"  {kind:>10} " + " ".join(f"{row[c]:>12.2f}" if isinstance(row[c], float) else
+                                                  f"{row[c]:>12}" for c in columns))
 
 
 if __name__ == "__main__":
