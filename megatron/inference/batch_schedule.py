@@ -83,11 +83,13 @@ class Served:
     requests: int = 0
     tokens: int = 0
     steps: int = 0
+    prompts: list = field(default_factory=list)  # per data-parallel replica: the prompts it took
 
     def line(self, seconds: float, running: int, waiting: int) -> str:
         rate = self.tokens / seconds if seconds > 0 else 0.0
+        replicas = f"; prompts per replica {', '.join(map(str, self.prompts))}" if len(self.prompts) > 1 else ""
         return (f"batch: {self.requests} requests served, {self.tokens} tokens in {self.steps} steps "
-                f"({rate:.1f} tokens/s); {running} prompts running, {waiting} waiting")
+                f"({rate:.1f} tokens/s); {running} prompts running, {waiting} waiting{replicas}")
 
 
 @dataclass
@@ -114,7 +116,7 @@ class BatchSchedule:
         self._clear: set[tuple[int, int]] = set()   # slots a broken sequence held: zeroed before reuse
         self._free: set[tuple[int, int]] = set()    # slots freed since the last step: parked by it
         self._in_flight: collections.deque[_Launched] = collections.deque()  # steps whose results are not read
-        self.served = Served()
+        self.served = Served(prompts=[0] * replicas)
 
     # -- requests in and out --------------------------------------------------------------------------------
     def add(self, job: Job, params: SamplingParams, plan: DrawPlan) -> None:
@@ -192,6 +194,7 @@ class BatchSchedule:
             if not free[replica]:
                 break
             sequence.replica, sequence.slot = replica, free[replica].pop(0)
+            self.served.prompts[replica] += 1
             self.holding[(replica, sequence.slot)] = sequence
             self.waiting.remove(sequence)
             replicas[replica]["admit"].append((sequence.slot, asdict(sequence.request.params), sequence.row))
@@ -284,7 +287,9 @@ class BatchSchedule:
         if token == Draw.NON_FINITE:
             request.error = NonFiniteLogits([request.params.first_prompt + sequence.row],
                                             len(sequence.prompt) + len(sequence.tokens))
-            self._clear.add((sequence.replica, sequence.slot))
+            # Every slot the request holds may keep NaNs (each of its prompts met the same weights): zeroed.
+            self._clear.update((other.replica, other.slot) for other in request.sequences
+                               if self.holding.get((other.replica, other.slot)) is other)
             self._release(request)
             return
         sequence.tokens.append(token)

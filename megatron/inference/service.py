@@ -193,7 +193,7 @@ class GenerationService:
             request.job.finish(None if request.error else request.generation(), request.error)
 
     def _log_progress(self):
-        if self.schedule is None:
+        if self.schedule is None or not self.schedule.served.steps:
             return
         self._logged = time.monotonic()
         log.info(self.schedule.served.line(self._logged - self._started, len(self.schedule.holding),
