@@ -3,9 +3,9 @@ reads and decodes, and what becomes of the tokens it drew.
 
 A request's prompts become sequences. A waiting sequence takes the lowest free slot of the data-parallel replica
 with the most free slots, then reads its prompt into that slot, ``prefill_tokens`` tokens at most per step shared
-by every sequence reading (a longer prompt is read in chunks over several steps, so the decoding rows wait no more
-than one such chunk each step). The step that reads the prompt's last token draws its first new token; from the next
-step on it decodes one token a step with every other decoding sequence of its replica, in one forward over the
+by every sequence reading on a replica (a longer prompt is read in chunks over several steps, so the decoding rows
+wait no more than one such chunk each step). The step that reads the prompt's last token draws its first new token;
+from then on it decodes one token a step with every other decoding sequence of its replica, in one forward over the
 replica's first slots (a bucket: a power of two, so that a few CUDA graphs serve every batch). A sequence leaves at
 its stop token, its length, its request's cancel or a broken draw; its slot is free from the next step.
 
@@ -174,13 +174,10 @@ class BatchSchedule:
         if admitting:
             self._admit(replicas)
         launched = _Launched()
-        budget = self.prefill_tokens
         reading = sorted((sequence for sequence in self.holding.values() if sequence.read < len(sequence.prompt)),
                          key=lambda sequence: (sequence.replica, sequence.slot))
         for replica, sequences in itertools.groupby(reading, key=lambda sequence: sequence.replica):
-            budget = self._plan_prefill(replica, list(sequences), budget, replicas[replica], launched)
-            if budget <= 0:
-                break
+            self._plan_prefill(replica, list(sequences), replicas[replica], launched)
         for replica in range(self.replicas):
             self._plan_decode(replica, replicas[replica], launched)
         self._in_flight.append(launched)
@@ -199,9 +196,9 @@ class BatchSchedule:
             self.waiting.remove(sequence)
             replicas[replica]["admit"].append((sequence.slot, asdict(sequence.request.params), sequence.row))
 
-    def _plan_prefill(self, replica, sequences, budget, part, launched):
-        """Chunks of the prompts being read on ``replica``, within ``budget`` tokens (at least one chunk a step)."""
-        rows = []
+    def _plan_prefill(self, replica, sequences, part, launched):
+        """Chunks of the prompts being read on ``replica``, within the step's prefill budget (at least one chunk)."""
+        rows, budget = [], self.prefill_tokens
         for sequence in sequences:
             if budget <= 0:
                 break
@@ -209,8 +206,6 @@ class BatchSchedule:
             drew = sequence.read + count == len(sequence.prompt) and sequence.request.params.tokens_to_generate > 0
             rows.append((sequence, drew, sequence.read, count))
             budget -= count
-        if not rows:
-            return budget
         scored = any(sequence.request.params.logprobs for sequence, *_ in rows)
         plan = _union(sequence.request.plan for sequence, *_ in rows)
         part["prefill"] = {
@@ -226,7 +221,6 @@ class BatchSchedule:
         launched.prefill[replica] = rows
         launched.scored[replica] = scored
         launched.plans[replica] = (plan, None)
-        return budget
 
     def _plan_decode(self, replica, part, launched):
         # A sequence whose last prompt chunk this very step reads decodes in it too: the prefill comes first.
