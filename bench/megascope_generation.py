@@ -192,8 +192,8 @@ def worker(name, flags, new_tokens):
     from megatron.inference.limits import Limits
     from megatron.inference.model_setup import setup_for_generation
     from megatron.inference.prompts import PromptEncoder
-    from megatron.inference.rest_api import serve_rest
     from megatron.inference.service import GenerationService
+    from megatron.inference.serving.rest_api import serve_rest
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the graphs' build times
     args, model, tokenizer = setup_for_generation(flags, "megascope_generation.py", pretrain_gpt.model_provider)

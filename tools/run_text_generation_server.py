@@ -29,8 +29,8 @@ from megatron.inference.engine import GenerationEngine
 from megatron.inference.limits import Limits
 from megatron.inference.model_setup import setup_for_generation
 from megatron.inference.prompts import PromptEncoder, load_chat_template
-from megatron.inference.rest_api import serve_rest
 from megatron.inference.service import GenerationService
+from megatron.inference.serving.rest_api import serve_rest
 from megatron.training.errors import ArgumentError, UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
 from megatron.training.peer_watch import now_doing

@@ -6,7 +6,7 @@ from __future__ import annotations
 import secrets
 import time
 
-from megatron.inference.openai_requests import OpenAIRequest
+from megatron.inference.serving.openai_requests import OpenAIRequest
 
 _INCOMPLETE = "\ufffd"  # what a token cut inside a UTF-8 character decodes to: held back until the rest comes
 

@@ -1,5 +1,5 @@
 """Megatron-LM's REST API on rank 0: ``PUT /api`` generates; the OpenAI-compatible routes under ``/v1/``
-(megatron/inference/openai_routes.py, docs/openai_api.md) generate through the same service; other GET paths
+(megatron/inference/serving/openai_routes.py, docs/openai_api.md) generate through the same service; other GET paths
 serve the MegaScope page's build (tools/visualization/transformer-visualize/dist) when it exists. See
 docs/megascope_protocol.md."""
 
@@ -13,13 +13,13 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from megatron.inference import openai_routes
 from megatron.inference.engine import NonFiniteLogits
 from megatron.inference.errors import ProtocolError
 from megatron.inference.prompts import sampling_fields
-from megatron.inference.request_body import BodyRefused, read_body
 from megatron.inference.requests import load_json, parse_rest_request
 from megatron.inference.service import Job, ServerLost, pick_seed
+from megatron.inference.serving import openai_routes
+from megatron.inference.serving.request_body import BodyRefused, read_body
 
 log = logging.getLogger("megatron.inference.rest")
 MAX_BODY_BYTES = 1 << 20

@@ -11,7 +11,10 @@ from http import HTTPStatus
 
 from megatron.inference.engine import NonFiniteLogits
 from megatron.inference.errors import ProtocolError
-from megatron.inference.openai_answers import (
+from megatron.inference.prompts import sampling_fields
+from megatron.inference.requests import load_json
+from megatron.inference.service import Job, ServerLost, pick_seed
+from megatron.inference.serving.openai_answers import (
     ChoiceText,
     answer_header,
     chat_answer,
@@ -21,12 +24,9 @@ from megatron.inference.openai_answers import (
     finish_reason,
     usage,
 )
-from megatron.inference.openai_errors import error_body, from_protocol_error
-from megatron.inference.openai_requests import OpenAIRequest, parse_chat, parse_completion
-from megatron.inference.prompts import sampling_fields
-from megatron.inference.request_body import BodyRefused, read_body
-from megatron.inference.requests import load_json
-from megatron.inference.service import Job, ServerLost, pick_seed
+from megatron.inference.serving.openai_errors import error_body, from_protocol_error
+from megatron.inference.serving.openai_requests import OpenAIRequest, parse_chat, parse_completion
+from megatron.inference.serving.request_body import BodyRefused, read_body
 
 log = logging.getLogger("megatron.inference.openai")
 
