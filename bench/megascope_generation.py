@@ -192,8 +192,8 @@ def worker(name, flags, new_tokens):
     from megatron.inference.limits import Limits
     from megatron.inference.model_setup import setup_for_generation
     from megatron.inference.prompts import PromptEncoder
-    from megatron.inference.rest_api import serve_rest
     from megatron.inference.service import GenerationService
+    from megatron.inference.serving.app import serve_rest
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the graphs' build times
     args, model, tokenizer = setup_for_generation(flags, "megascope_generation.py", pretrain_gpt.model_provider)
@@ -211,7 +211,7 @@ def worker(name, flags, new_tokens):
         try:
             with tempfile.TemporaryDirectory() as work:
                 frames_file = os.path.join(work, "frames.pickle")
-                row.update(_in_a_process(_measure, f"http://127.0.0.1:{rest.server_address[1]}/api",
+                row.update(_in_a_process(_measure, f"http://127.0.0.1:{rest.port}/api",
                                          f"ws://127.0.0.1:{session.server.port}", new_tokens, frames_file))
                 with open(frames_file, "rb") as f:
                     replay = WebSocketServer(ReplaySession(pickle.load(f)), "127.0.0.1", 0, limits=limits).start()
@@ -224,7 +224,7 @@ def worker(name, flags, new_tokens):
     threading.Thread(target=client, daemon=True).start()
     service.serve_forever(0)
     session.server.stop()
-    rest.shutdown()
+    rest.stop()
     if "ws MB/s" not in row:
         sys.exit("a client failed; see above")
     print("RESULT " + json.dumps(row), flush=True)

@@ -36,9 +36,10 @@ from megascope.welcome import welcome_info
 from megascope.wire import echo_id, encode_data_frame, error_message
 from megatron.inference.engine import NonFiniteLogits, NoObserver
 from megatron.inference.greedy import logits as forward_logits
+from megatron.inference.jobs import Job
 from megatron.inference.limits import Limits
 from megatron.inference.prompts import sampling_fields
-from megatron.inference.service import Job, pick_seed
+from megatron.inference.service import pick_seed
 
 log = logging.getLogger("megascope.inference")
 DEFAULT_TOPK = 5

@@ -1,12 +1,12 @@
 """Every public function of the typed APIs has type hints (docs/design.md): the transport, the MegaScope
-wire protocol and the generation server's request parsing, and the aggregation and detection APIs."""
+wire protocol, the generation server's request parsing and its HTTP side, and the aggregation and detection APIs."""
 
 import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TYPED = ["megadpp/transport", "megascope/wire.py", "megatron/inference/errors.py", "megatron/inference/limits.py",
-         "megatron/inference/requests.py", "megascan/aggregate", "megascan/detection"]
+         "megatron/inference/requests.py", "megatron/inference/serving", "megascan/aggregate", "megascan/detection"]
 # Typed with the rework of these two files (issue 32); drop them from here then.
 
 

@@ -29,8 +29,8 @@ from megatron.inference.engine import GenerationEngine
 from megatron.inference.limits import Limits
 from megatron.inference.model_setup import setup_for_generation
 from megatron.inference.prompts import PromptEncoder, load_chat_template
-from megatron.inference.rest_api import serve_rest
 from megatron.inference.service import GenerationService
+from megatron.inference.serving.app import serve_rest
 from megatron.training.errors import ArgumentError, UserError, exit_on_user_error
 from megatron.training.initialize import shutdown
 from megatron.training.peer_watch import now_doing
@@ -140,14 +140,14 @@ def _listen(args, service, tokenizer, model, max_length):
                     # a prompt holds a token at least: the model's length bounds what a welcome may promise
                     max_tokens_to_generate=min(args.max_tokens_to_generate, max_length - 1))
     encoder = PromptEncoder(tokenizer, load_chat_template(args), max_length, limits)
+    model_name = _served_model_name(args)
     try:
-        rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD, _served_model_name(args))
+        rest = serve_rest(service, encoder, args.host, args.port, PAGE_BUILD, model_name)
     except OSError as error:
         raise UserError(f"--port {args.port}: cannot listen on {args.host}:{args.port} ({error.strerror}); "
                         "pick a free port") from None
-    print(f"REST API on http://{args.host}:{rest.server_address[1]}/api (PUT)", flush=True)
-    print(f"OpenAI-compatible API on http://{args.host}:{rest.server_address[1]}/v1 (model "
-          f"{rest.model_name})", flush=True)
+    print(f"REST API on http://{args.host}:{rest.port}/api (PUT)", flush=True)
+    print(f"OpenAI-compatible API on http://{args.host}:{rest.port}/v1 (model {model_name})", flush=True)
     websocket = _start_websocket(args, service, encoder, model, limits) if args.enable_ws_server else None
     return rest, websocket
 
@@ -185,8 +185,7 @@ def main():
     now_doing("serving requests")
     service.serve_forever(rank)
     if rest is not None:  # rank 0: close the listening sockets and the clients' connections
-        rest.shutdown()
-        rest.server_close()
+        rest.stop()
     if websocket is not None:
         websocket.stop()
     shutdown()

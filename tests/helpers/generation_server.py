@@ -58,10 +58,11 @@ class GenerationServer:
                 self._listening.set()
         self._listening.set()  # exited
 
-    def logged(self, text, timeout=60):
-        """Whether a line holding ``text`` is in the output, or comes within ``timeout`` seconds."""
+    def logged(self, text, timeout=60, since=0):
+        """Whether a line holding ``text`` is in the output (from its line ``since`` on), or comes within ``timeout``
+        seconds."""
         with self._new_line:
-            return self._new_line.wait_for(lambda: any(text in line for line in self.lines), timeout)
+            return self._new_line.wait_for(lambda: any(text in line for line in self.lines[since:]), timeout)
 
     def interrupt(self, signum, pid=None, timeout=120):
         """Send ``signum`` to ``pid`` (default: the launched process's group, as Ctrl-C in a terminal does) and

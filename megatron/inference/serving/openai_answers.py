@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import secrets
 import time
+from collections.abc import Callable
+from typing import Any
 
-from megatron.inference.openai_requests import OpenAIRequest
+from megatron.inference.engine import Generation
+from megatron.inference.prompts import PromptEncoder
+from megatron.inference.serving.openai_requests import OpenAIRequest
 
 _INCOMPLETE = "\ufffd"  # what a token cut inside a UTF-8 character decodes to: held back until the rest comes
 
@@ -15,7 +19,7 @@ class ChoiceText:
     """One choice's generated text as its tokens come: cut before the first stop string (``stopped`` then, and
     ``kept`` tokens are the ones up to the one where it begins); ``delta()`` is the text that can be sent now."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, tokenizer: Any, stops: tuple[str, ...]):
         self.tokenizer, self.stops = tokenizer, stops
         self.tokens: list[int] = []
         self.text, self.kept, self.stopped, self._sent = "", 0, False, 0
@@ -60,7 +64,8 @@ def finish_reason(reason: str, text: ChoiceText) -> str:
     return "stop" if text.stopped else reason
 
 
-def completion_logprobs(encoder, token_ids, logprobs, best) -> dict:
+def completion_logprobs(encoder: PromptEncoder, token_ids: list[int], logprobs: list[float | None],
+                        best: list | None) -> dict:
     """OpenAI's completions ``logprobs``: each token's text, log-probability, most likely alternatives (text ->
     log-probability) and character offset in the text of ``token_ids``. ``best``: [[id, logprob], ...] per
     token, or None."""
@@ -73,23 +78,25 @@ def completion_logprobs(encoder, token_ids, logprobs, best) -> dict:
     return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-def chat_logprobs(encoder, token_ids, logprobs, best) -> dict:
+def chat_logprobs(encoder: PromptEncoder, token_ids: list[int], logprobs: list[float | None],
+                  best: list | None) -> dict:
     """OpenAI's chat ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}, ...]}."""
-    def entry(token, value):
+    def entry(token: int, value: float | None) -> dict:
         text = encoder.token_text(token)
         return {"token": text, "logprob": value, "bytes": list(text.encode())}
     return {"content": [{**entry(token, value), "top_logprobs": [entry(t, v) for t, v in (pairs or [])]}
                         for token, value, pairs in zip(token_ids, logprobs, best or [None] * len(token_ids))]}
 
 
-def _generated_logprobs(generation, row, kept):
+def _generated_logprobs(generation: Generation, row: int, kept: int) -> tuple[list, list | None]:
     """The log-probabilities (and alternatives) of a row's first ``kept`` generated tokens."""
     first = generation.prompt_lengths[row] - 1  # logprobs start at the prompt's second token
     best = generation.top_logprobs[row][first:first + kept] if generation.top_logprobs else None
     return generation.logprobs[row][first:first + kept], best
 
 
-def _answer(kind: str, generation, encoder, parsed: OpenAIRequest, choice) -> dict:
+def _answer(kind: str, generation: Generation, encoder: PromptEncoder, parsed: OpenAIRequest,
+            choice: Callable[[int, list[int], int, ChoiceText], dict]) -> dict:
     """An answer whose choices ``choice(row, tokens, prompt length, ChoiceText)`` shapes (their index and finish
     reason added), with the usage counts: each prompt once, the tokens generated up to a stop string."""
     choices, generated = [], 0
@@ -104,9 +111,9 @@ def _answer(kind: str, generation, encoder, parsed: OpenAIRequest, choice) -> di
             "usage": usage(sum(generation.prompt_lengths[::parsed.n]), generated)}
 
 
-def completion_answer(generation, encoder, parsed: OpenAIRequest) -> dict:
+def completion_answer(generation: Generation, encoder: PromptEncoder, parsed: OpenAIRequest) -> dict:
     """The whole answer of ``POST /v1/completions``."""
-    def choice(row, tokens, length, text):
+    def choice(row: int, tokens: list[int], length: int, text: ChoiceText) -> dict:
         prompt_text = encoder.tokenizer.detokenize(tokens[:length]) if parsed.echo else ""
         if parsed.logprobs is None:
             return {"text": prompt_text + text.text, "logprobs": None}
@@ -119,9 +126,9 @@ def completion_answer(generation, encoder, parsed: OpenAIRequest) -> dict:
     return _answer("text_completion", generation, encoder, parsed, choice)
 
 
-def chat_answer(generation, encoder, parsed: OpenAIRequest) -> dict:
+def chat_answer(generation: Generation, encoder: PromptEncoder, parsed: OpenAIRequest) -> dict:
     """The whole answer of ``POST /v1/chat/completions``."""
-    def choice(row, tokens, length, text):
+    def choice(row: int, tokens: list[int], length: int, text: ChoiceText) -> dict:
         logprobs = None
         if parsed.logprobs is not None:
             values, best = _generated_logprobs(generation, row, text.kept)
