@@ -114,12 +114,21 @@ def watch_helpers() -> None:
     atexit.register(stop_watching_helpers)  # an ordinary end: its exit handlers stop such processes themselves
 
 
+_before_failed_end: list = []  # what runs before this process ends with its own failure line (the peer watch's note)
+
+
+def before_failed_end(callback) -> None:
+    """``callback()`` runs just before a rank ends here with its line: the peer watch (which imports this module)
+    tells the rank's peers that it reported its failure itself, so they add no line of their own."""
+    _before_failed_end.append(callback)
+
+
 def _end_with_line(message: str) -> None:
     from megatron.training.error_line import error_line
-    from megatron.training.peer_watch import ending_on_purpose  # late: the peer watch imports this module
 
     stop_watching_helpers()
-    ending_on_purpose(failed=True)  # its peers add no line of their own
+    for callback in _before_failed_end:
+        callback()
     sys.stdout.flush()
     sys.stderr.write(error_line(message) + "\n")
     sys.stderr.flush()

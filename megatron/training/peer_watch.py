@@ -35,7 +35,7 @@ import time
 import traceback
 
 from megatron.training.error_line import error_line
-from megatron.training.job_lifetime import set_parent_death_signal, stop_watching_helpers
+from megatron.training.job_lifetime import before_failed_end, set_parent_death_signal, stop_watching_helpers
 
 # How a rank ends on purpose: its work done, a failure it printed itself, or a peer's death it reported.
 _DONE, _FAILED, _LOST_PEER = b"d", b"f", b"l"
@@ -186,6 +186,9 @@ def ending_on_purpose(failed: bool) -> None:
     """This rank ends by its own decision: ``failed`` when it reports its failure in its own line."""
     if _watch is not None:
         _watch.say(_FAILED if failed else _DONE)
+
+
+before_failed_end(lambda: ending_on_purpose(failed=True))
 
 
 def _activity(frames):
