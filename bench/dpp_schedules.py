@@ -1,6 +1,6 @@
 """Train the same job from the same start under several pipeline schedules, one after another in one
 launch: megatron-core's static schedule and DPP's policies. The equivalence tests
-(tests/dpp_equivalence_entry.py) compare what they compute; bench/dpp_side_by_side.py and
+(tests/helpers/dpp_equivalence_entry.py) compare what they compute; bench/dpp_side_by_side.py and
 bench/dpp_stress.py compare how long they take and how repeatable they are. A harness, not part of
 MegaDPP: it sets the job up through the training loop (``setup_job``) and gives each ``Trainer`` the
 schedule to run.
