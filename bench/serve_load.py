@@ -51,9 +51,12 @@ class Server:
     """The server on one process, started and stopped by this bench."""
 
     def __init__(self, flags, slots):
+        # 512 positions a slot hold the bench's prompts and tokens: the KV cache of 64 slots stays small.
+        length = min(512, int(flags[flags.index("--max-position-embeddings") + 1]))
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                    os.path.join(REPO, "tools/run_text_generation_server.py"), *flags, "--port", "0",
-                   "--max-prompts", "16", "--inference-max-requests", str(slots), "--inference-max-seq-length", "512"]
+                   "--max-prompts", "16", "--inference-max-requests", str(slots),
+                   "--inference-max-seq-length", str(length)]
         self.process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         env=dict(os.environ, PYTHONUNBUFFERED="1"), start_new_session=True)
         self.lines = []
