@@ -1,13 +1,14 @@
-"""Every rank runs the model, rank 0 serves: the work queue between the servers (REST, WebSocket) and the
-ranks' generation loop.
+"""Every rank runs the model, rank 0 serves: the work between the servers (REST, WebSocket) and the ranks' model loop.
 
-Rank 0's servers put jobs in a queue; ``serve_forever`` on every rank takes them in the same order:
-rank 0 broadcasts each job's data (never the job itself: it holds sockets and events) to every rank. With
-data-parallel replicas a REST request's prompts are shared among them (megatron/inference/replicas.py) and
-a WebSocket generation runs on the first replica alone (its rank 0 streams and captures). With nothing to
-do, rank 0 sends an idle heartbeat now and then, so the other ranks' waiting broadcast never reaches the
-process group's timeout. ``stop`` (rank 0) ends the running generation at its next step, refuses the
-queued ones and ends every rank's loop.
+Rank 0's servers submit jobs; ``serve_forever`` on every rank runs, in the same order, what rank 0 decides next and
+broadcasts (a job's data, never the job itself: it holds sockets and events). REST and OpenAI generations join the
+continuous batch (megatron/inference/batcher.py): while it has work, every rank runs one planned step of it after
+another. A WebSocket generation, a control message (perturbations) or a generation of a model the batch cannot serve
+holds the model alone: new prompts stop joining the batch, and once it has drained every rank runs that job (a
+WebSocket generation on the first data-parallel replica, whose rank 0 streams and captures). With nothing to do,
+rank 0 sends an idle heartbeat now and then, so the other ranks' waiting broadcast never reaches the process group's
+timeout. ``stop`` (rank 0) ends the running generations at their next step, refuses the queued ones and ends every
+rank's loop.
 """
 
 import atexit
@@ -65,11 +66,11 @@ def pick_seed(seed):
 
 
 class GenerationService:
-    """Rank 0's side: submit jobs; ``serve_forever`` runs them on every rank. ``batching``: REST requests join one
-    continuous batch (megatron/inference/batcher.py) where the engine's slot cache serves the model; ``prefill_tokens``:
-    the prompt tokens a batch step reads at most beside its decoding rows."""
+    """Rank 0's side: submit jobs; ``serve_forever`` runs them on every rank. REST requests join one continuous batch
+    where the engine's slot cache serves the model; ``prefill_tokens``: the prompt tokens a batch step reads at most
+    beside its decoding rows."""
 
-    def __init__(self, engine, device, observer_factory=None, on_control=None, batching=True, prefill_tokens=512):
+    def __init__(self, engine, device, observer_factory=None, on_control=None, prefill_tokens=512):
         self.engine = engine
         self.device = device
         # Builds the observer of a generation on ranks other than 0 from the job's payload.
@@ -80,7 +81,7 @@ class GenerationService:
         self._lock = threading.Lock()
         self._unfinished = []   # submitted generations, in order, until they have run
         self.stopping = False   # set by stop: the running generation is cancelled at its next step
-        cache = engine.cache if batching else None
+        cache = engine.cache
         self.batcher = self.schedule = None
         if cache is not None:
             if torch.distributed.get_rank() == 0:
