@@ -36,6 +36,7 @@ from megatron.inference.last_stage import from_last_stage
 from megatron.inference.sampling import Draw, DrawPlan, RowParams, draw, unpack
 from megatron.inference.scores import position_scores
 from megatron.inference.slot_cache import SlotCacheModel, hooked, supports
+from megatron.training.errors import UserError
 
 
 class NonFiniteLogits(Exception):
@@ -164,9 +165,14 @@ class GenerationEngine:
         if self._cache is None and self.static_cache and len(self.model) == 1:
             model = unwrap_model(self.model[0])
             if supports(model, model.config):
-                with torch.inference_mode():  # its tensors are only ever used there
-                    self._cache = SlotCacheModel(model, self.slots, self.max_sequence_length, self.vocab_size,
-                                                 self.device, self.cuda_graphs)
+                try:
+                    with torch.inference_mode():  # its tensors are only ever used there
+                        self._cache = SlotCacheModel(model, self.slots, self.max_sequence_length, self.vocab_size,
+                                                     self.device, self.cuda_graphs)
+                except torch.OutOfMemoryError:
+                    raise UserError(f"--inference-max-requests {self.slots} x --inference-max-seq-length "
+                                    f"{self.max_sequence_length}: the KV cache of that many slots and positions does "
+                                    f"not fit beside the model on {self.device}; lower either") from None
         return self._cache
 
     @torch.inference_mode()
