@@ -31,7 +31,7 @@ import urllib.request
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PROMPT = " ".join(str(token) for token in range(100, 132))
-ALL_HOOKS = ["embed", "ln1", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.out", "resid_mid", "mlp.pre",
+ALL_HOOKS = ["embed", "ln1", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.out", "resid_mid", "mlp.post",
              "mlp.out", "resid_post", "final_norm", "logits"]
 CAPTURES = {
     "resid norm": {"hooks": ["resid_post"], "reduction": "norm"},

@@ -4,7 +4,7 @@ docs/megascope_protocol.md); every mistake is a ProtocolError naming the field."
 from dataclasses import dataclass, field
 
 from megascope.errors import ProtocolError, within
-from megascope.hook_sites import CAPTURED, HOOK_SITES
+from megascope.hook_sites import CAPTURED, HOOK_SITES, current_name
 from megascope.reductions import Reduction
 
 _FIELDS = ("hooks", "layers", "tokens", "reduction", "reductions", "topk", "logit_lens", "pca", "sample", "attribution")
@@ -73,6 +73,7 @@ class CaptureSpec:
         hooks = obj["hooks"]
         if not isinstance(hooks, list) or not all(isinstance(h, str) for h in hooks):
             raise _bad(f"hooks must be a list of hook names ({', '.join(CAPTURED)})", "hooks")
+        hooks = [current_name(name) for name in hooks]
         for name in hooks:
             _captured_site(name, "hooks")
         reduction = Reduction.parse(obj.get("reduction", "none"), "reduction")
@@ -81,6 +82,7 @@ class CaptureSpec:
             raise _bad("reductions must be an object {hook: reduction}", "reductions")
         per_hook = {}
         for name, text in reductions.items():
+            name = current_name(name)
             if name not in hooks:
                 raise _bad(f"reductions names {name!r}, which is not among the captured hooks", "reductions")
             per_hook[name] = Reduction.parse(text, f"reductions.{name}")
@@ -152,8 +154,8 @@ def _pca(value, hooks):
     unknown = sorted(set(value) - set(_PCA_FIELDS))
     if unknown:
         raise _bad(f"unknown pca field {unknown[0]!r}; known: {', '.join(_PCA_FIELDS)}", f"pca.{unknown[0]}")
-    point = _captured_site(value.get("hook"), "pca.hook")
-    if value["hook"] not in hooks:
+    point = _captured_site(current_name(value.get("hook")), "pca.hook")
+    if point.name not in hooks:
         raise _bad(f"pca.hook {value['hook']!r} must also be among the captured hooks", "pca.hook")
     layer = value.get("layer")
     if point.per_layer:  # null: every captured layer, one pca message each

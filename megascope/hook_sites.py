@@ -86,7 +86,8 @@ HOOK_SITES = {site.name: site for site in (  # in the order of the forward
     HookSite("ln2", _layer("pre_mlp_layernorm"), WEIGHTS, None, perturb=(STORAGE,),
              weights=_layer("pre_mlp_layernorm")),
     HookSite("mlp.fc1", _layer("mlp.linear_fc1"), WEIGHTS, None, perturb=(STORAGE,), weights=_layer("mlp.linear_fc1")),
-    HookSite("mlp.pre", _layer("mlp.linear_fc2"), INPUT, COLUMNS, ("ffn",), **_CAPTURED_AND_PATCHED,
+    # TransformerLens's mlp.hook_post: the activation's output, which the output projection reads.
+    HookSite("mlp.post", _layer("mlp.linear_fc2"), INPUT, COLUMNS, ("ffn",), **_CAPTURED_AND_PATCHED,
              perturb=(CALCULATION,)),
     HookSite("mlp.fc2", _layer("mlp.linear_fc2"), WEIGHTS, None, perturb=(STORAGE,), weights=_layer("mlp.linear_fc2")),
     HookSite("mlp.out", _layer("mlp"), OUTPUT_PLUS_BIAS, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
@@ -99,7 +100,16 @@ HOOK_SITES = {site.name: site for site in (  # in the order of the forward
 )}
 
 # Names of earlier protocol versions, still taken and answered with the current name.
-RENAMED = {"resid": "resid_post"}  # protocol 2's system perturbation target
+RENAMED = {"resid": "resid_post",  # protocol 2's system perturbation target
+           "mlp.pre": "mlp.post"}  # protocol 3's: TransformerLens's mlp.hook_pre is the activation's input
+# Old names taken for one more release, and why they go: the welcome says so.
+DEPRECATED = {"mlp.pre": "renamed mlp.post, TransformerLens's name for the activation's output (its mlp.hook_pre is "
+                         "the activation's input); mlp.pre is taken until the next release"}
+
+
+def current_name(name):
+    """A hook name as the current protocol calls it (an earlier version's name mapped; anything else as it is)."""
+    return RENAMED.get(name, name) if isinstance(name, str) else name
 
 CAPTURED = tuple(name for name, site in HOOK_SITES.items() if site.capture)
 PATCHABLE = tuple(name for name, site in HOOK_SITES.items() if site.patch)

@@ -28,6 +28,7 @@ from megascope.hook_sites import (
     KEY_COLUMNS,
     PATCHABLE,
     QUERY_COLUMNS,
+    current_name,
     site_modules,
 )
 from megascope.hooks import ModuleHooks, rewrite_at, unwrap_model
@@ -77,7 +78,7 @@ class Patch:
         unknown = sorted(set(obj) - set(_FIELDS))
         if unknown:
             raise _bad(f"unknown patch field {unknown[0]!r}; known: {', '.join(_FIELDS)}", unknown[0])
-        name = obj.get("hook")
+        name = current_name(obj.get("hook"))
         if name is None:
             raise _bad(f"hook is required: one of {', '.join(PATCHABLE)}", "hook")
         if name not in PATCHABLE:

@@ -30,6 +30,7 @@ from megascope.hook_sites import (
     PERTURBATION_TARGETS,
     RENAMED,
     STORAGE,
+    current_name,
     full_hook_name,
     site_modules,
 )
@@ -67,9 +68,7 @@ class Perturbation:
         kind = obj.get("kind")
         if kind not in PERTURBATION_TARGETS:
             raise _bad(f"kind must be one of {', '.join(PERTURBATION_TARGETS)}", "kind")
-        target = obj.get("target")
-        if isinstance(target, str):
-            target = RENAMED.get(target, target)
+        target = current_name(obj.get("target"))
         if target not in PERTURBATION_TARGETS[kind]:
             raise _bad(f"target of a {kind} perturbation must be one of {', '.join(PERTURBATION_TARGETS[kind])}",
                        "target")
@@ -234,7 +233,7 @@ class PerturbationSet(ModuleHooks):
     def _install(self, p):
         site = HOOK_SITES[p.target]
         # Hidden activations are whole on every TP rank, but sequence-split under sequence parallelism; the
-        # columns of mlp.pre are split over TP.
+        # columns of mlp.post are split over TP.
         split = self.models[0].config.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
         shard, split_dim = (_column_shard, -1) if site.layout == COLUMNS else (_sequence_shard if split else None, 0)
         for model in self.models:

@@ -1,6 +1,6 @@
 """What a welcome message tells a client about the model and the library (both sessions send it)."""
 
-from megascope.hook_sites import PERTURBATION_TARGETS, captured_full_names
+from megascope.hook_sites import DEPRECATED, PERTURBATION_TARGETS, captured_full_names
 from megascope.perturbations import NOISE_TYPES
 from megascope.reductions import REDUCTION_FORMS
 
@@ -24,5 +24,5 @@ def welcome_info(args, vocab_size):
                       "pp": args.pipeline_model_parallel_size, "dp": args.data_parallel_size},
             "hooks": captured_full_names(), "reductions": list(REDUCTION_FORMS), "noise": list(NOISE_TYPES),
             "perturbation_targets": {kind: list(targets) for kind, targets in PERTURBATION_TARGETS.items()},
-            "eager": EAGER_FEATURES}
+            "eager": EAGER_FEATURES, "deprecated": DEPRECATED}
 

@@ -31,7 +31,7 @@ def test_every_hook_equals_the_single_rank_capture(layout, reference, tmp_root):
     for phase in saved(layout, tmp_root)["capture"]:
         got, want = _by_key(_records(layout, tmp_root)[phase]), _by_key(_records(reference, tmp_root)[phase])
         assert got.keys() == want.keys()
-        assert {hook for hook, _, _ in want} >= {"embed", "attn.q", "attn.pattern", "mlp.pre", "logits", "logit_lens"}
+        assert {hook for hook, _, _ in want} >= {"embed", "attn.q", "attn.pattern", "mlp.post", "logits", "logit_lens"}
         for key, record in want.items():
             assert got[key].token_start == record.token_start and got[key].dims == record.dims, key
             if key[0] == "logit_lens":  # near-ties may swap ranks: compare probabilities only

@@ -80,7 +80,7 @@ def test_the_welcome_names_each_site_as_requests_do():
 
 
 def test_protocol_2s_resid_is_taken_and_answered_as_resid_post():
-    assert RENAMED == {"resid": "resid_post"}
+    assert RENAMED == {"resid": "resid_post", "mlp.pre": "mlp.post"}
     old = {"id": "r", "kind": "system", "target": "resid", "noise": "gaussian", "scale": 0.1, "seed": 6,
            "layers": [2]}
     # The parsed perturbation is what drives the model: equal objects, equal noise.
@@ -108,3 +108,17 @@ def test_every_sites_module_and_weights_are_found_in_a_real_gpt(tmp_root):
             assert owners == {site.weights.format(l=layer) for layer in (range(4) if site.per_layer else [0])}, name
         else:
             assert changed is None
+
+
+def test_protocol_3s_mlp_pre_is_taken_as_mlp_post_for_one_release_and_the_welcome_says_so():
+    """TransformerLens's mlp.hook_pre is the activation's input; the site reads its output (mlp.hook_post)."""
+    capture = {"hooks": ["mlp.pre", "resid_post"], "reductions": {"mlp.pre": "norm"}, "pca": None}
+    assert CaptureSpec.from_json(capture) == CaptureSpec.from_json(
+        {**capture, "hooks": ["mlp.post", "resid_post"], "reductions": {"mlp.post": "norm"}})
+    assert CaptureSpec.from_json({"hooks": ["mlp.pre"], "pca": {"hook": "mlp.pre", "layer": 1}}).pca.hook == "mlp.post"
+    patch = {"hook": "mlp.pre", "layers": [1], "source": "zero"}
+    assert Patch.from_json(patch) == Patch.from_json({**patch, "hook": "mlp.post"})
+    noise = {"id": "p", "kind": "calculation", "target": "mlp.pre", "noise": "gaussian", "scale": 0.1, "seed": 6}
+    assert parse_perturbations([noise], 4)[0].to_json()["target"] == "mlp.post"
+    deprecated = welcome_info(TINY, 1000)["deprecated"]
+    assert list(deprecated) == ["mlp.pre"] and deprecated["mlp.pre"].startswith("renamed mlp.post")

@@ -13,7 +13,7 @@ PERTURBATIONS = [
     {"id": "emb", "kind": "storage", "target": "embed", "noise": "uniform", "scale": 0.1, "seed": 2},
     {"id": "fc2", "kind": "storage", "target": "mlp.fc2", "noise": "gaussian", "scale": 0.02, "seed": 3},
     {"id": "mlp", "kind": "calculation", "target": "mlp.out", "noise": "gaussian", "scale": 0.1, "seed": 4},
-    {"id": "pre", "kind": "calculation", "target": "mlp.pre", "noise": "uniform", "scale": 0.2, "seed": 5,
+    {"id": "pre", "kind": "calculation", "target": "mlp.post", "noise": "uniform", "scale": 0.2, "seed": 5,
      "layers": [0, 3]},
     {"id": "c", "kind": "system", "target": "resid_post", "noise": "constant", "scale": 0.5, "layers": [1]},
     {"id": "r", "kind": "system", "target": "resid_post", "noise": "gaussian", "scale": 0.1, "seed": 6, "layers": [2]},
@@ -24,7 +24,7 @@ PERTURBATIONS = [
 # model's --normalization is the default LayerNorm); on the others it changes the output distribution.
 CONSTANT_REMOVED = [("system", "resid_post"), ("calculation", "embed"), ("calculation", "attn.out"),
                     ("calculation", "mlp.out"), ("storage", "embed"), ("storage", "attn.proj"), ("storage", "mlp.fc2")]
-CONSTANT_FELT = [("calculation", "ln1"), ("calculation", "mlp.pre"), ("storage", "attn.qkv")]
+CONSTANT_FELT = [("calculation", "ln1"), ("calculation", "mlp.post"), ("storage", "attn.qkv")]
 
 BITFLIPS = {"id": "bits", "kind": "storage", "target": "mlp.fc1", "noise": "bitflip", "scale": 0.01, "seed": 7}
 

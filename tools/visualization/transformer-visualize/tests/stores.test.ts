@@ -159,7 +159,7 @@ describe('generation, captures and perturbations stores', () => {
   it('warns where a LayerNorm undoes a constant: on the residual stream and what is added to it', () => {
     expect(removedByLayerNorm({ kind: 'system', target: 'resid_post', noise: 'constant' })).toBe(true);
     expect(removedByLayerNorm({ kind: 'calculation', target: 'attn.out', noise: 'constant' })).toBe(true);
-    expect(removedByLayerNorm({ kind: 'calculation', target: 'mlp.pre', noise: 'constant' })).toBe(false);  // a GeLU follows
+    expect(removedByLayerNorm({ kind: 'calculation', target: 'mlp.post', noise: 'constant' })).toBe(false);  // a GeLU follows
     expect(removedByLayerNorm({ kind: 'system', target: 'resid_post', noise: 'gaussian' })).toBe(false);
     expect(removedByLayerNorm({ kind: 'storage', target: 'attn.proj', noise: 'constant' })).toBe(true);  // x (W + c) = x W + c sum(x)
     expect(removedByLayerNorm({ kind: 'storage', target: 'attn.qkv', noise: 'constant' })).toBe(false);
