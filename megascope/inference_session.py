@@ -286,7 +286,7 @@ def _within(record, first, end):
                                values=record.values[start - record.token_start:end - record.token_start])
 
 
-_active_perturbations = {}
+_active_perturbations: dict[int, PerturbationSet] = {}  # id(model) -> its perturbations
 
 
 def apply_perturbations(model, args, objs):
