@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def windows(case: DetectionCase) -> list[Window]:
     return [found[number] for number in sorted(found)]
 
 
-def windows_text(named: list[tuple[int, Named]]) -> str:
+def windows_text(named: Sequence[tuple[int, Named]]) -> str:
     """'2-5: rank 1 slow rank' for consecutive windows of one verdict; 'none' when no window names anyone."""
     if all(who is None for _, who in named):
         return "none"

@@ -20,9 +20,10 @@ import sys
 import tempfile
 import time
 
-from megascope_generation import LLAMA_TINY, PROMPT, _make_llama
-
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PROMPT = list(range(100, 132))  # token ids
+LLAMA_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)
 
 
 def worker(hf_dir, new_tokens, rounds, profile, flags):
@@ -65,6 +66,22 @@ def worker(hf_dir, new_tokens, rounds, profile, flags):
         pstats.Stats(profiler).sort_stats("cumulative").print_stats(45)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
     print("RESULT " + json.dumps(row), flush=True)
+
+
+def _make_llama(directory, shape):
+    """Random Llama weights and a word-level tokenizer (w0 .. w{vocab-1}) saved as a Hugging Face folder."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape, architectures=["LlamaForCausalLM"], torch_dtype="bfloat16")
+    model = LlamaForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(directory)
+    tokenizer = Tokenizer(models.WordLevel({f"w{i}": i for i in range(shape["vocab_size"])}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(os.path.join(directory, "tokenizer.json"))
+    with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "w2"}, f)
 
 
 def main():

@@ -17,7 +17,8 @@ import pretrain_gpt
 from megascope.plugin import MegaScopePlugin
 
 WARM_UP = 5
-added, iteration_ends = [], []
+added: list[float] = []  # per training iteration: the host time MegaScope added (s)
+iteration_ends: list[float] = []  # perf_counter at each iteration's end
 
 
 def _timed_wrap_schedule(wrap_schedule):

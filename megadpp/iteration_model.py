@@ -33,12 +33,12 @@ class CostModel:
     backward_ratio: float = 2.0
     transfer_ms: float = 0.1
     jitter_ms: float = 0.0
-    straggler_stage: int = None
-    straggler_link: int = None
+    straggler_stage: int | None = None
+    straggler_link: int | None = None
     straggler_ms: float = 0.0
     straggler_probability: float = 1.0
     seed: int = 0
-    stage_scale: tuple = None  # per pipeline rank: its compute times this (None: all 1)
+    stage_scale: tuple[float, ...] | None = None  # per pipeline rank: its compute times this (None: all 1)
     host_overlap: float = 0.0  # share of the sending action's compute that a straggler link's delay overlaps
 
     def _draw(self, *key):

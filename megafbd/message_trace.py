@@ -26,8 +26,9 @@ class MessageTrace:
     def __init__(self, instance, sink: TransferTrace):
         self.instance = instance
         self.sink = sink  # the run's TransferTrace
-        self.counts = collections.Counter()
-        self.channels = {}  # (on the link?, message kind) -> TransferChannel
+        # (channel name, op, peer) -> how many of its messages were numbered: the next one's seq
+        self.counts: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        self.channels: dict[tuple[bool, str], TransferChannel] = {}  # (on the link?, message kind) -> channel
 
     def _channel(self, group, name):
         instance = self.instance

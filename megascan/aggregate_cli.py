@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         print(report.to_text())
     if windows is not None and args.per_window:
         print(verdicts_text(windows))
-    if second_witness is not None:
+    if second_witness is not None and report is not None:  # both come with detecting
         print(second_witness.to_text([suspect.rank for suspect in report.suspects if suspect.kind == "hang"]))
     return 0
 

@@ -65,7 +65,7 @@ def _tensors(value):
             yield from _tensors(item)
 
 
-_DTYPE_NAMES = {}  # torch.bfloat16 -> "bfloat16"
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # torch.bfloat16 -> "bfloat16"
 
 
 def size_and_dtype(method, args):

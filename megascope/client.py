@@ -128,7 +128,9 @@ class MegaScopeClient:
         request = {"type": "generate", "prompts": list(prompts), "tokens_to_generate": tokens_to_generate,
                    "capture": capture, "patch": list(patch or []), **sampling}
         number = self._send(request)
-        frames, streamed, once = [], {"token": [], "logit_lens": []}, {}
+        frames: list[tuple[dict, np.ndarray]] = []
+        streamed: dict[str, list[dict]] = {"token": [], "logit_lens": []}  # message type -> its messages in order
+        once: dict[str, dict] = {}  # message type -> its one message
         while True:
             message = self._receive(number)
             if isinstance(message, bytes):

@@ -9,6 +9,7 @@ table of docs/megascope_protocol.md ("Hook sites") is checked against this one b
 """
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 # How a tensor-parallel rank holds what a site reads: capture gathers by it, noise is drawn for the whole.
 HIDDEN, COLUMNS, HEADS, FUSED_QKV = "hidden", "columns", "heads", "fused_qkv"
@@ -60,7 +61,12 @@ def _layer(path: str = "") -> str:
     return f"{LAYER}.{path}" if path else LAYER
 
 
-_CAPTURED_AND_PATCHED = {"capture": True, "patch": True}
+class _CaptureAndPatch(TypedDict):  # HookSite's keywords, typed so that the checker knows what ** passes
+    capture: bool
+    patch: bool
+
+
+_CAPTURED_AND_PATCHED: _CaptureAndPatch = {"capture": True, "patch": True}
 HOOK_SITES = {site.name: site for site in (  # in the order of the forward
     HookSite("embed", "embedding", OUTPUT, HIDDEN, ("hidden",), **_CAPTURED_AND_PATCHED,
              perturb=(STORAGE, CALCULATION), attribution=True, weights="embedding.word_embeddings"),

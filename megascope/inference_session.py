@@ -34,6 +34,7 @@ from megascope.perturbations import PerturbationSet, parse_perturbations
 from megascope.step_stream import PatientSender, StepStream
 from megascope.welcome import welcome_info
 from megascope.wire import echo_id, encode_data_frame, error_message
+from megascope.ws_server import Client, MessageHandler, Session, WebSocketServer
 from megatron.inference.engine import NonFiniteLogits, NoObserver
 from megatron.inference.greedy import logits as forward_logits
 from megatron.inference.jobs import Job
@@ -286,7 +287,7 @@ def _within(record, first, end):
                                values=record.values[start - record.token_start:end - record.token_start])
 
 
-_active_perturbations = {}
+_active_perturbations: dict[int, PerturbationSet] = {}  # id(model) -> its perturbations
 
 
 def apply_perturbations(model, args, objs):
@@ -297,34 +298,37 @@ def apply_perturbations(model, args, objs):
     active.replace(parse_perturbations(objs, args.num_layers))
 
 
-class InferenceSession:
-    """Rank 0's WebSocket session (see megascope/ws_server.py for the interface)."""
+class InferenceSession(Session):
+    """Rank 0's WebSocket session."""
     mode = "inference"
 
-    def __init__(self, service, encoder, model, args, limits=_DEFAULT_LIMITS):
+    def __init__(self, service, encoder, model, args, limits=_DEFAULT_LIMITS) -> None:
         self.service = service
         self.encoder = encoder
         self.model = model
         self.args = args
         self.limits = limits
-        self.server = None            # the WebSocketServer, set by the caller: broadcasts perturbations
+        self.server: WebSocketServer | None = None  # set by the caller: broadcasts perturbations
         self._lock = threading.Lock()
-        self._running = {}            # client -> its running generation's Job
-        self._control = {}            # client -> pending control for its running generation
-        self._captures = {}           # client -> its set_capture spec (JSON)
+        self._running: dict[Client, Job] = {}            # client -> its running generation's Job
+        self._control: dict[Client, dict] = {}           # client -> pending control for its running generation
+        self._captures: dict[Client, dict | None] = {}   # client -> its set_capture spec (JSON)
         self._numbers = 0
+        self._handlers: dict[str, MessageHandler] = {  # client message type -> its handler
+            "generate": self._generate, "cancel": self._cancel, "set_capture": self._set_capture,
+            "perturb": self._perturb}
         sys.setswitchinterval(SWITCH_INTERVAL_SECONDS)
 
-    def on_welcome(self, client):
+    def on_welcome(self, client: Client) -> None:
         pass  # generations start from the client's requests: nothing to tell at once
 
-    def welcome_info(self):
+    def welcome_info(self) -> dict:
         return welcome_info(self.args, self.encoder.tokenizer.vocab_size)
 
-    def on_message(self, client, message):
-        getattr(self, "_" + message["type"])(client, message)
+    def on_message(self, client: Client, message: dict) -> None:
+        self._handlers[message["type"]](client, message)
 
-    def on_disconnect(self, client):
+    def on_disconnect(self, client: Client) -> None:
         with self._lock:
             self._captures.pop(client, None)
             if client in self._running:

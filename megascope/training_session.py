@@ -20,7 +20,7 @@ from megascope.perturbations import Perturbation, PerturbationSet, parse_perturb
 from megascope.training_control import PAUSED, RUNNING, STOPPING, TrainingControl
 from megascope.welcome import welcome_info
 from megascope.wire import echo_id, encode_data_frame
-from megascope.ws_server import WebSocketServer
+from megascope.ws_server import Client, MessageHandler, Session, WebSocketServer
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.training_log import print_rank_0
 
@@ -28,10 +28,10 @@ HEARTBEAT_SECONDS = 1.0
 STATES = {"run": RUNNING, "pause": PAUSED, "stop": STOPPING}  # a decision's action -> the state clients see
 
 
-class TrainingSession:
+class TrainingSession(Session):
     mode = "training"
 
-    def __init__(self, args, model, optimizer, scheduler, request_stop):
+    def __init__(self, args, model, optimizer, scheduler, request_stop) -> None:
         self.args, self.model, self.optimizer, self.scheduler = args, model, optimizer, scheduler
         self.request_stop = request_stop  # RunContext.request_stop: the loop ends training, saving with --save
         self.group = torch.distributed.new_group(backend="gloo")
@@ -44,6 +44,8 @@ class TrainingSession:
         self.control = TrainingControl(start_paused=args.training_ws_wait) if self.is_server else None
         self.announced = PAUSED if args.training_ws_wait else RUNNING  # the state clients were last told
         self.server = None
+        self._handlers: dict[str, MessageHandler] = {  # client message type -> its handler (rank 0)
+            "train": self._train, "set_capture": self._set_capture, "perturb": self._perturb}
         if self.is_server:
             # The tokenizer's vocabulary (the output layer's padding rows are no tokens), for the welcome.
             self.vocab_size = build_tokenizer(args).vocab_size
@@ -53,28 +55,32 @@ class TrainingSession:
                          + (" (waiting for a client to resume or step)" if args.training_ws_wait else ""))
 
     # -- the WebSocket side (rank 0, server thread) --------------------------------------------
-    def welcome_info(self):
+    def welcome_info(self) -> dict:
         return welcome_info(self.args, self.vocab_size)
 
-    def on_message(self, client, message):
-        kind = message["type"]
-        if kind == "train":  # answered at the control point where it takes effect (training_control.py)
-            self.control.request(message["action"], message["n"], reply=(client, echo_id(message)))
-        elif kind == "set_capture":
-            spec = self._checked_spec(message["capture"])
-            normalised = None if spec is None else spec.to_json()
-            self.control.set_pending("capture", normalised)
-            client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
-        elif kind == "perturb":
-            active = [p.to_json() for p in parse_perturbations(message["perturbations"], self.args.num_layers)]
-            self.control.set_pending("perturbations", active)
+    def on_message(self, client: Client, message: dict) -> None:
+        self._handlers[message["type"]](client, message)
 
-    def on_welcome(self, client):
+    def _train(self, client, message):
+        """Answered at the control point where it takes effect (training_control.py)."""
+        self.control.request(message["action"], message["n"], reply=(client, echo_id(message)))
+
+    def _set_capture(self, client, message):
+        spec = self._checked_spec(message["capture"])
+        normalised = None if spec is None else spec.to_json()
+        self.control.set_pending("capture", normalised)
+        client.send({"type": "capture_set", "capture": normalised, **echo_id(message)})
+
+    def _perturb(self, client, message):
+        active = [p.to_json() for p in parse_perturbations(message["perturbations"], self.args.num_layers)]
+        self.control.set_pending("perturbations", active)
+
+    def on_welcome(self, client: Client) -> None:
         """A client that connects learns the run's state at once (a run started with --training-ws-wait waits
         for it to resume or step)."""
         client.send(self._state_message(self.announced))
 
-    def on_disconnect(self, client):
+    def on_disconnect(self, client: Client) -> None:
         pass  # the run goes on; what the client set stays until another client changes it
 
     def _checked_spec(self, obj):

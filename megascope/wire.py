@@ -98,7 +98,7 @@ def encode_message(message: dict) -> str:
 def error_message(code: str, message: str, field: str | None = None, id: str | int | None = None) -> dict:
     """An error frame: {"type": "error", "code", "message"}, with "field" and "id" when given."""
     assert code in ERROR_CODES, code
-    frame = {"type": "error", "code": code, "message": message}
+    frame: dict[str, str | int] = {"type": "error", "code": code, "message": message}
     if field is not None:
         frame["field"] = field
     if id is not None:

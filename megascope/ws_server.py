@@ -4,16 +4,8 @@ It runs in a thread with its own asyncio loop, so the model loop never waits on 
 hands messages and data frames to `Client.send` / `Client.send_data` (thread-safe, non-blocking), and each
 client has a bounded queue that drops its oldest data frames (never control messages) when the client
 reads slower than the model writes. The server does the protocol's fixed duties (hello, version, token,
-Origin, size and rate limits, ping, error frames) and hands every other checked message to a session:
-
-    class Session:                      # duck-typed; inference_session.py and training_session.py
-        mode = "inference"              # or "training": selects which message types are served
-        def welcome_info(self): ...     # {"model": {...}, "hooks": [...], "reductions": [...], "noise": [...]}
-        def on_welcome(self, client): ...    # after the welcome: what a new client must learn at once
-        def on_message(self, client, message): ...  # on the server thread: must not block; may raise ProtocolError
-        def on_disconnect(self, client): ...
-
-See docs/megascope_protocol.md.
+Origin, size and rate limits, ping, error frames) and hands every other checked message to a ``Session``
+(inference_session.py, training_session.py). See docs/megascope_protocol.md.
 """
 
 import asyncio
@@ -25,6 +17,8 @@ import re
 import secrets
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
 
 import websockets
 from websockets.asyncio.server import serve
@@ -167,6 +161,34 @@ class Client:
         self._wake.set()
 
 
+# A session's handler of one type of client message (see Session.on_message).
+MessageHandler = Callable[[Client, dict], None]
+
+
+class Session(Protocol):
+    """What the server needs of a session; a session names it as its base, so that the type checker holds its
+    methods to these signatures."""
+
+    mode: Literal["inference", "training"]  # which message types the server accepts (wire.py) and the welcome names
+
+    def welcome_info(self) -> dict:
+        """The welcome's model part: {"model": {...}, "hooks": [...], "reductions": [...], "noise": [...], ...}."""
+        ...
+
+    def on_welcome(self, client: Client) -> None:
+        """After the welcome: what a new client must learn at once."""
+        ...
+
+    def on_message(self, client: Client, message: dict) -> None:
+        """A checked message of a type other than hello and ping, on the server thread: it must not block and may
+        raise ProtocolError. A session answers it through its table of handlers (message type -> MessageHandler)."""
+        ...
+
+    def on_disconnect(self, client: Client) -> None:
+        """A welcomed client is gone."""
+        ...
+
+
 class WebSocketServer:
     """``WebSocketServer(session, host, port, token=None, limits=Limits(), origins=(), flags=...).start()``.
 
@@ -174,8 +196,8 @@ class WebSocketServer:
     token; without one a token is generated and printed. ``flags``: the command-line flags that chose host
     and port, named when they cannot be bound."""
 
-    def __init__(self, session, host="127.0.0.1", port=5001, token=None, limits=_DEFAULT_LIMITS, origins=(),
-                 flags="--ws-host/--ws-port"):
+    def __init__(self, session: Session, host: str = "127.0.0.1", port: int = 5001, token: str | None = None,
+                 limits: Limits = _DEFAULT_LIMITS, origins: Sequence[str] = (), flags: str = "--ws-host/--ws-port"):
         self.session = session
         self.flags = flags
         self.host = host
@@ -187,13 +209,13 @@ class WebSocketServer:
         self.token = token
         self.origins = allowed_origins(host, origins)
         self.types = TRAINING_TYPES if session.mode == "training" else INFERENCE_TYPES
-        self.clients = set()
-        self.loop = None
+        self.clients: set[Client] = set()
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
-        self._failure = None
-        self._thread = None
-        self._stop = None
-        self._goodbye = None  # the reason of a normal closure (1000) at stop; None: 1001 going away
+        self._failure: str | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+        self._goodbye: str | None = None  # the reason of a normal closure (1000) at stop; None: 1001 going away
 
     def start(self):
         """Bind and serve on a daemon thread; raises UserError (one line) when the port cannot be bound."""

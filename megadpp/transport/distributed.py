@@ -127,7 +127,8 @@ class DistributedTransport(Transport):
         self._inboxes = {peer: _Inbox() for peer in self.peers}
         self._lock = threading.Condition()
         self._closing = False
-        self._sends = queue.Queue()
+        # (a send, its works), then None when closing
+        self._sends: queue.Queue[tuple[_Transfer, list[dist.Work]] | None] = queue.Queue()
         self._threads = [threading.Thread(target=self._complete_sends, daemon=True, name="megadpp-sends")]
         self._threads += [threading.Thread(target=self._receive_from, args=(peer,), daemon=True,
                                            name=f"megadpp-recv-{peer}") for peer in self.peers]

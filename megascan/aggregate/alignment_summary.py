@@ -23,9 +23,9 @@ def describe_alignment(merged: MergedTrace) -> str:
     if not fitted:
         return f"alignment: only rank {merged.reference_rank} merged, so its clock is the reference (nothing to align)"
     residuals = {rank: clock.residual_us for rank, clock in fitted.items()}
-    worst = max(residuals, key=residuals.get)
+    worst = max(residuals, key=residuals.__getitem__)
     spread = {rank: _window_spread(clock) for rank, clock in clocks.items()}
-    widest = max(spread, key=spread.get)
+    widest = max(spread, key=spread.__getitem__)
     model = (f"offsets per trace window (a rank's windows differ by up to {spread[widest]:.1f} us, rank {widest})"
              if spread[widest] > 0 else "one offset per rank")
     drifting = {rank: clock.drift_ppm for rank, clock in clocks.items() if clock.drift_ppm}

@@ -23,6 +23,7 @@ import orjson
 
 from megascan.aggregate.loading import coords_name
 from megascan.aggregate.merged_trace import MergedTrace, OpInstance
+from megascan.aggregate.trace_records import OpRecord
 from megatron.training.atomic_file import replaced_on_success
 
 _PID = 1  # the run's one process
@@ -219,7 +220,7 @@ def time_origin(merged: MergedTrace) -> float:
 def chrome_trace_events(merged: MergedTrace, origin: float) -> Iterator[list[dict]]:
     """Every trace event, a list at a time: the run's one process, then each rank's tracks and
     slices in layout order, each op slice followed by the ends of its flows."""
-    records = {rank: [] for rank in merged.ranks}
+    records: dict[int, list[tuple[OpInstance, OpRecord]]] = {rank: [] for rank in merged.ranks}
     for instance in merged.instances:
         for rank, record in instance.records.items():
             records[rank].append((instance, record))

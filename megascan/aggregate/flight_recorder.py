@@ -57,7 +57,7 @@ def load_dump(path: str) -> dict:
 def find_dumps(directory: str, nccl_prefix: str | None = None) -> dict[int, str]:
     """rank -> the newest dump of that rank: MegaScan's in ``directory``, and NCCL's ``<prefix><rank>`` files
     (``nccl_prefix`` a path prefix; by default PyTorch's file name prefix inside ``directory``)."""
-    candidates = {}
+    candidates: dict[int, list[str]] = {}
     for name in os.listdir(directory):
         match = OWN_DUMP.match(name)
         if match:
@@ -87,7 +87,7 @@ def _is_p2p(entry):
 def rank_progress(dump: dict, records_completion: bool) -> dict[tuple[str, str], Progress]:
     """(group name, "collective" or "p2p") -> Progress, from one dump's entries; ``records_completion``:
     whether the job's backend records completion (else Progress.completed stays None)."""
-    progress = {}
+    progress: dict[tuple[str, str], Progress] = {}
     for entry in dump["entries"]:
         p2p = _is_p2p(entry)
         seq = entry.get("p2p_seq_id" if p2p else "collective_seq_id", 0) or 0

@@ -288,7 +288,7 @@ def load_directory(directory: str) -> TraceDirectory:
     names = sorted(name for name in os.listdir(directory) if TRACE_FILE.match(name))
     if not names:
         raise TraceDirectoryError(_no_trace_files(directory))
-    problems = []
+    problems: list[str] = []
     read = [_read_rank_file(os.path.join(directory, name), problems) for name in names]
     read = [rank_file for rank_file in read if rank_file is not None]
     if not read:

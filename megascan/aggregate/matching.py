@@ -25,7 +25,8 @@ def instance_key(rank: int, op: OpRecord) -> InstanceKey:
 
 def match_records(files: dict[int, RankFile], problems: list[str]) -> dict[InstanceKey, dict[int, OpRecord]]:
     """{instance key: {rank: op record}}, instances in order of first appearance (ranks ascending)."""
-    instances, repeated = {}, 0
+    instances: dict[InstanceKey, dict[int, OpRecord]] = {}
+    repeated = 0
     for rank, rank_file in files.items():
         for op in rank_file.ops():
             records = instances.setdefault(instance_key(rank, op), {})
@@ -41,7 +42,7 @@ def match_records(files: dict[int, RankFile], problems: list[str]) -> dict[Insta
 
 def group_table(files: dict[int, RankFile]) -> dict[str, dict]:
     """Group id -> {"ranks": [...], "role": ...}, from every window and issued line of every rank."""
-    groups = {}
+    groups: dict[str, dict] = {}
     for rank_file in files.values():
         for window in (rank_file.windows, rank_file.stalled):
             for line in window.values():

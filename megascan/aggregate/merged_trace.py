@@ -64,7 +64,7 @@ class MergedTrace:
     unaligned: dict  # rank -> why it could not be aligned
     instances: list  # OpInstance, ids 0..n-1 in this order
     problems: list  # what was missing, cut off, ignored or not aligned, one line each
-    reference_rank: int = None  # whose clock is global time
+    reference_rank: int | None = None  # whose clock is global time
     absent: dict = field(default_factory=dict)  # layout position (DP0-PP1-TP1) without a usable trace -> why
     causality: CausalityCheck = field(default_factory=CausalityCheck)  # what ran backwards after the fit
 

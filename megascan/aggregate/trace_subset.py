@@ -14,7 +14,7 @@ import re
 from collections.abc import Callable
 
 from megascan.aggregate.loading import describe
-from megascan.aggregate.merged_trace import MergedTrace
+from megascan.aggregate.merged_trace import MergedTrace, OpInstance
 from megascan.aggregate.trace_records import ComputeEvent, OpRecord
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
@@ -31,7 +31,7 @@ class SubsetError(ValueError):
 
 def parse_numbers(text: str, flag: str) -> set[int]:
     """'0-7,12' -> {0, ..., 7, 12}; raises SubsetError for ``flag`` on anything else."""
-    numbers = set()
+    numbers: set[int] = set()
     for part in text.split(","):
         match = _RANGE.match(part.strip())
         if not match:
@@ -45,7 +45,7 @@ def parse_numbers(text: str, flag: str) -> set[int]:
 
 def spans_text(numbers: list[int]) -> str:
     """Sorted numbers in the flags' own syntax, e.g. [0, 1, 2, 7] -> '0-2,7'; the first few spans and how many more."""
-    spans = []
+    spans: list[list[int]] = []  # [low, high] each
     for number in numbers:
         if spans and number == spans[-1][1] + 1:
             spans[-1][1] = number
@@ -84,7 +84,7 @@ def restricted(merged: MergedTrace, keep: Callable[[ComputeEvent | OpRecord, int
     detection indexes them, rather than the whole trace's."""
     traces = {rank: dataclasses.replace(trace, events=[e for e in trace.events if keep(e, rank)])
               for rank, trace in merged.ranks.items()}
-    instances = []
+    instances: list[OpInstance] = []
     for instance in merged.instances:
         records = {rank: record for rank, record in instance.records.items() if keep(record, rank)}
         if records:

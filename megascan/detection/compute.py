@@ -124,7 +124,7 @@ def operation_totals(events: list[ComputeEvent], tp_waits: list[tuple[float, flo
         return {}
     own = _own_compute(np.array([e.start for _, e in chosen], dtype=np.float64),
                        np.array([e.end for _, e in chosen], dtype=np.float64), _tp_waits(tp_waits))
-    totals = {}
+    totals: OperationTotals = {}
     for (key, _), us in zip(chosen, own.tolist()):
         total = totals.setdefault(key, [0.0, 0, 0.0])
         total[0] += us
@@ -171,7 +171,7 @@ def compute_slowness(merged: MergedTrace, totals: dict[int, OperationTotals] | N
     cells = [(key, rank, *total) for rank, per_key in totals.items() for key, total in per_key.items()]
     if not cells:
         return {}
-    numbers = {}
+    numbers: dict[tuple, int] = {}  # operation key -> its number
     key_ids = np.array([numbers.setdefault(key, len(numbers)) for key, *_ in cells], dtype=np.int64)
     cell_rank = np.array([rank for _, rank, *_ in cells], dtype=np.int64)
     counts = np.array([count for _, _, _, count, _ in cells], dtype=np.float64)

@@ -98,8 +98,10 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
     expected_gap[timelines.opaque] = np.nan  # not own work: it holds unmeasured waits; nobody is charged for it
     ranks = {}
     comparable = ~np.isnan(expected_gap)
-    own = np.bincount(timelines.rank[comparable], weights=timelines.gap[comparable]) if comparable.any() else []
-    peers = np.bincount(timelines.rank[comparable], weights=expected_gap[comparable]) if comparable.any() else []
+    own: np.ndarray | list[float] = (np.bincount(timelines.rank[comparable], weights=timelines.gap[comparable])
+                                     if comparable.any() else [])
+    peers: np.ndarray | list[float] = (np.bincount(timelines.rank[comparable], weights=expected_gap[comparable])
+                                       if comparable.any() else [])
     without_peers = set(timelines.rank[alone].tolist())
     for rank in np.unique(timelines.rank).tolist():
         delay = ranks[rank] = RankDelay(rank, stage_peers=rank not in without_peers)
@@ -108,7 +110,7 @@ def attribute_delays(timelines: RankTimelines, paths: list[CriticalPath],
     awaited = timelines.arrival_awaited()
     transfer = timelines.transfer_time(awaited)
     expected_transfer = medians_of_others(transfer, timelines.role_key)
-    charged_links = defaultdict(float)
+    charged_links: defaultdict[tuple[int, int], float] = defaultdict(float)  # (src, dst) -> its excess (us)
     # Each iteration's measured length less what was charged for it: what its measured part took unslowed.
     # Own work that spans unrecorded collectives (--trace-tp-microbatches) is left out: nobody is charged for
     # it, so its jitter cannot add up in anyone's delay, and a slow rank's varying excess there must not raise

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megascan.aggregate.merged_trace import MergedTrace
+from megascan.aggregate.merged_trace import MergedTrace, OpInstance
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Hung:
 @dataclass
 class Blocked:
     rank: int
-    operation: object  # the OpInstance its stream is stuck in
+    operation: OpInstance  # its stream is stuck in this one
     waits_for: list  # ranks missing from it or stuck before it
     behind: list  # the hung ranks its chain ends at (empty: a cycle)
 
@@ -113,7 +113,7 @@ def classify_hang(merged: MergedTrace) -> tuple[list[Hung], list[Blocked]]:
     waits = _waits_for(merged, sequences, stuck, position)
     blocked = [Blocked(rank, instance, targets, _chain_ends(rank, waits))
                for rank, (instance, targets) in sorted(waits.items()) if targets]
-    behind = {}
+    behind: dict[int, list[int]] = {}  # hung rank -> the ranks blocked behind it
     for entry in blocked:
         for end in entry.behind:
             behind.setdefault(end, []).append(entry.rank)

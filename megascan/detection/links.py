@@ -10,6 +10,7 @@ transfers can be slow by the scheduler alone, and then they delayed nobody.
 from __future__ import annotations
 
 from collections import defaultdict
+from typing import Any
 
 from megascan.aggregate.merged_trace import MergedTrace
 from megascan.detection.culprits import MIN_CAUSED_SHARE
@@ -27,7 +28,8 @@ MIN_LINKS_TO_COMPARE = 3
 def link_stats(merged: MergedTrace, attribution: DelayAttribution) -> list[dict]:
     """Per pipeline link (src -> dst) with a complete transfer: its transfers, bandwidth, median latency, the
     excess its transfers added to the critical paths, and whether it is slow against the other links."""
-    per_link = defaultdict(lambda: {"bytes": 0, "seconds": 0.0, "latencies_us": [], "transfers": 0})
+    per_link: defaultdict[tuple[int, int], dict[str, Any]] = defaultdict(
+        lambda: {"bytes": 0, "seconds": 0.0, "latencies_us": [], "transfers": 0})
     for instance in merged.instances:
         if instance.kind != "p2p" or instance.missing:
             continue
@@ -40,7 +42,7 @@ def link_stats(merged: MergedTrace, attribution: DelayAttribution) -> list[dict]
         link["seconds"] += duration / 1e6
         link["latencies_us"].append(duration)
         link["transfers"] += 1
-    links = []
+    links: list[dict[str, Any]] = []
     for (src, dst), link in sorted(per_link.items()):
         links.append({"src": src, "dst": dst, "transfers": link["transfers"],
                       "bandwidth_gbps": link["bytes"] / link["seconds"] / 1e9 if link["seconds"] else 0.0,

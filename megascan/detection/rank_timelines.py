@@ -180,7 +180,7 @@ def build_timelines(merged: MergedTrace) -> RankTimelines:
     rows = rows[np.lexsort((rows[:, 1], rows[:, 0]))]
     rank, start, end = rows[:, 0].astype(np.int64), rows[:, 1], rows[:, 2]
     instance, iteration = rows[:, 3].astype(np.int64), rows[:, 4].astype(np.int64)
-    roles = {}
+    roles: dict[str, int] = {}  # role -> its number
     role_of = np.array([roles.setdefault(i.role, len(roles)) for i in merged.instances], dtype=np.int64)
     pp = {r: trace.coords["pp"] for r, trace in merged.ranks.items()}
     stage = np.array([pp[r] for r in rank.tolist()], dtype=np.int64)

@@ -41,7 +41,8 @@ def _sums(keys, values):
 
 def group_waits(timelines: RankTimelines) -> dict[str, GroupWaits]:
     """Group name -> GroupWaits, for every synchronous group with a complete instance."""
-    numbers, group_of_instance = {}, {}
+    numbers: dict[str, int] = {}  # group name -> its number
+    group_of_instance: dict[int, int] = {}  # instance id -> its group's number
     for instance_id in timelines.last_arrival:
         group_of_instance[instance_id] = numbers.setdefault(_group_name(timelines.instances[instance_id]), len(numbers))
     groups = [GroupWaits(name) for name in numbers]
@@ -74,7 +75,7 @@ def waited_for(timelines: RankTimelines) -> dict[int, dict[int, float]]:
     waiting = (last != NO_RECORD) & (last != np.arange(len(last)))
     waiter, waited = timelines.rank[waiting], timelines.rank[last[waiting]]
     span = int(timelines.rank.max(initial=0)) + 1
-    totals = {}
+    totals: dict[int, dict[int, float]] = {}
     for key, us in _sums(waiter * span + waited, timelines.start[last[waiting]] - timelines.start[waiting]).items():
         totals.setdefault(key // span, {})[key % span] = us
     return totals

@@ -14,7 +14,7 @@ from __future__ import annotations
 from megascan.aggregate.merged_trace import MergedTrace
 from megascan.detection import detect
 from megascan.detection.report import DELAY_PREFIX, Report, Suspect
-from megascan.detection.window_verdicts import judge_windows
+from megascan.detection.window_verdicts import WindowVerdict, judge_windows
 
 WHOLE_RUN_PREFIX = "over the whole run: "
 
@@ -38,7 +38,7 @@ def _window_line(named):
 def with_window_findings(run: Report, verdicts: list) -> Report:
     """``run`` (the whole run's Report) with every slow rank that one of ``verdicts`` (window_verdicts.WindowVerdict,
     in order) named: module docstring."""
-    found = {}
+    found: dict[int, list[tuple[WindowVerdict, Suspect]]] = {}  # rank -> the windows that named it
     for verdict in verdicts:
         for suspect in verdict.report.suspects:
             if suspect.kind == "slow_rank":

@@ -38,7 +38,7 @@ class WindowVerdict:
 
 def window_iterations(merged: MergedTrace) -> dict[int, list[int]]:
     """window -> its traced iterations, from the op records (each carries its window and iteration)."""
-    iterations = {}
+    iterations: dict[int, set[int]] = {}
     for instance in merged.instances:
         for record in instance.records.values():
             if record.iteration is not None:

@@ -48,7 +48,7 @@ class Scenario:
     speed_spread: float = 0.03  # every GPU within +-3 % of nominal
     culprits: dict = field(default_factory=dict)  # rank -> compute time factor
     slow_links: dict = field(default_factory=dict)  # (src, dst) -> transfer time factor
-    hang: tuple = None  # (rank, iteration, kind of step[, occurrence]): see hang_step; in the last window
+    hang: tuple | None = None  # (rank, iteration, kind of step[, occurrence]): see hang_step; in the last window
     hung_writes_issued: bool = True  # False: stopped whole (SIGSTOP), its writer too
     lookahead: float = 0.5  # chance that a blocked rank's host issued 1-3 further operations before it blocked
     gpus_per_host: int = 8

@@ -63,7 +63,7 @@ class Stalls:
 class Faults:
     speed: dict  # rank -> time factor of its compute (1.0 nominal; a slow GPU 1.2-1.6)
     slow_links: dict = field(default_factory=dict)  # (src, dst) -> time factor of its transfers
-    hang: tuple = None  # (rank, iteration, step index in that iteration's program): it stops before that step
+    hang: tuple | None = None  # (rank, iteration, step index in that iteration's program): it stops before that step
     # host time to issue work, per unit of its nominal GPU time (> 1: host-bound)
     host_cost: float = GPU_BOUND_HOST_COST
     host_slow: dict = field(default_factory=dict)  # rank -> factor on its host's time (a slow host, not a slow GPU)

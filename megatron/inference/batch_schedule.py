@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -165,8 +166,9 @@ class BatchSchedule:
     def _plan_step(self, admitting: bool) -> dict:
         """The message every rank executes for the next step (see batcher.py); ``admitting``: new sequences may
         take slots (False while a generation waits to hold the model alone)."""
-        replicas = {replica: {"admit": [], "free": [], "clear": [], "prefill": None, "decode": None}
-                    for replica in range(self.replicas)}
+        replicas: dict[int, dict[str, Any]] = {
+            replica: {"admit": [], "free": [], "clear": [], "prefill": None, "decode": None}
+            for replica in range(self.replicas)}
         for replica, slot in sorted(self._free):
             replicas[replica]["clear" if (replica, slot) in self._clear else "free"].append(slot)
         self._clear -= self._free
@@ -256,8 +258,10 @@ class BatchSchedule:
                     if sequence.read == len(sequence.prompt) and sequence.request.params.tokens_to_generate == 0:
                         self._end(sequence, "length")  # scored, nothing to generate
                     if drew:
+                        assert prefill_draws is not None, "a step that drew for a prompt returns its prefill draws"
                         self._take(sequence, prefill_draws, index)
             for sequence in launched.decode.get(replica, []):
+                assert decode_draws is not None, "a step that decoded returns its decode draws"
                 self._take(sequence, decode_draws, sequence.slot)
 
     def _score(self, sequence, values, start, count):
@@ -271,7 +275,7 @@ class BatchSchedule:
                 ids, logprobs = values[offset, 1:1 + best], values[offset, 1 + best:1 + 2 * best]
                 sequence.best.append([[int(token), float(value)] for token, value in zip(ids, logprobs)])
 
-    def _take(self, sequence, draws: _Draws, index: int):
+    def _take(self, sequence: Sequence, draws: _Draws, index: int):
         """The token drawn for ``sequence`` in row ``index`` of ``draws``, unless it already ended (a step launched
         before its end was read)."""
         request = sequence.request

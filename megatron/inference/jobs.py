@@ -4,6 +4,10 @@ tokens it streams back."""
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the engine's torch and megatron-core stay out of the serving side's imports
+    from megatron.inference.engine import Generation
 
 
 @dataclass(frozen=True)
@@ -32,8 +36,8 @@ class Job:
     cancelled: bool = False   # set by ``cancel``: it ends at its next step and holds the model no longer
     # Rank 0, between steps: whether its requester left (a REST client that closed its connection); it ends then.
     requester_gone: Callable[[], bool] = lambda: False
-    result: object = None
-    error: BaseException = None
+    result: "Generation | None" = None  # a generate job's, when it ends without error
+    error: BaseException | None = None
     _callbacks: list = field(default_factory=list)
     _callbacks_lock: threading.Lock = field(default_factory=threading.Lock)
 

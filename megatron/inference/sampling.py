@@ -172,6 +172,7 @@ def draw(logits: torch.Tensor, rows: slice | torch.Tensor, params: RowParams, pl
         token_probs = torch.ones(batch, device=logits.device)
     sampling_rows = finite
     if plan.forced:
+        assert forced is not None, "a plan with forced rows is drawn with their tokens"
         reading = forced >= 0
         tokens = torch.where(reading, forced, tokens)
         sampling_rows = finite & ~reading

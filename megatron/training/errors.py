@@ -25,7 +25,7 @@ class ArgumentError(UserError):
 
 
 # The claim of the rank that prints a launch's error line; held (open) until the process exits.
-_printing_claim = []
+_printing_claim: list[socket.socket] = []
 
 
 def _first_to_fail_on_this_host():

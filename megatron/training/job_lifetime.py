@@ -61,7 +61,7 @@ _watching_helpers = False
 
 
 def _children() -> list[int]:
-    pids = []
+    pids: list[int] = []
     for listing in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
         try:
             with open(listing) as f:

@@ -329,7 +329,7 @@ def lost_peer_line(error: BaseException, group_up: bool) -> str | None:
     if peer is not None:
         return death_line(peer, doing)
     address = _PEER_ADDRESS.search(message)
-    peer = f"the rank at {address.group(1)}:{address.group(2)}" if address else "a rank on another host"
+    lost_rank = f"the rank at {address.group(1)}:{address.group(2)}" if address else "a rank on another host"
     rank = os.environ.get("RANK", "?")
-    return (f"lost {peer} (killed, out of memory or its host lost) while rank {rank} was in {_phase}"
+    return (f"lost {lost_rank} (killed, out of memory or its host lost) while rank {rank} was in {_phase}"
             f"{', ' + doing if doing else ''}; see the other ranks' logs for which one died")

@@ -41,6 +41,7 @@ class ConnectionWatch:
         """On the model's thread, once the job is done: say so if its client left; close the socket."""
         if self.gone() and job.error is None:
             generation, wanted = job.result, job.payload["params"]["tokens_to_generate"]
+            assert generation is not None, "a generation that ended without an error has its result"
             generated = max(len(tokens) - prompt for tokens, prompt in zip(generation.tokens,
                                                                            generation.prompt_lengths))
             log.info("%s went away: its generation stopped after %d of %d tokens", self._remote, generated, wanted)

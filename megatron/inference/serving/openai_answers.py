@@ -92,6 +92,7 @@ def _generated_logprobs(generation: Generation, row: int, kept: int) -> tuple[li
     """The log-probabilities (and alternatives) of a row's first ``kept`` generated tokens."""
     first = generation.prompt_lengths[row] - 1  # logprobs start at the prompt's second token
     best = generation.top_logprobs[row][first:first + kept] if generation.top_logprobs else None
+    assert generation.logprobs is not None, "a request for log-probabilities generates them"
     return generation.logprobs[row][first:first + kept], best
 
 
@@ -120,8 +121,10 @@ def completion_answer(generation: Generation, encoder: PromptEncoder, parsed: Op
         values, best = _generated_logprobs(generation, row, text.kept)
         ids = tokens[length:length + text.kept]
         if parsed.echo:  # the prompt's tokens too; its first has no log-probability
-            ids, values = tokens[:length + text.kept], [None, *generation.logprobs[row][:length - 1], *values]
-            best = None if best is None else [None, *generation.top_logprobs[row][:length - 1], *best]
+            logprobs, top_logprobs = generation.logprobs, generation.top_logprobs
+            assert logprobs is not None, "a request for log-probabilities generates them"
+            ids, values = tokens[:length + text.kept], [None, *logprobs[row][:length - 1], *values]
+            best = None if best is None or top_logprobs is None else [None, *top_logprobs[row][:length - 1], *best]
         return {"text": prompt_text + text.text, "logprobs": completion_logprobs(encoder, ids, values, best)}
     return _answer("text_completion", generation, encoder, parsed, choice)
 

@@ -141,10 +141,12 @@ async def _stream(request: web.Request, submitted: SubmittedJob, parsed: OpenAIR
             "generation failed; see the server log"
         await _send_event(response, error_body(HTTPStatus.INTERNAL_SERVER_ERROR, message))
     else:
+        generation = job.result
+        assert generation is not None, "a generation that ended without an error has its result"
         for row, text in enumerate(texts):
             if not text.stopped:
                 await _send_event(response, _chunk(header, chat, row, text.delta(final=True), None,
-                                                   finish_reason(job.result.finish_reasons[row], text)))
+                                                   finish_reason(generation.finish_reasons[row], text)))
         if parsed.include_usage:
             prompt_tokens = sum(map(len, job.payload["prompts"][::parsed.n]))
             await _send_event(response, {**header, "choices": [], "usage": usage(prompt_tokens,

@@ -20,12 +20,13 @@ import datetime
 import fcntl
 import os
 import socket
+from typing import TextIO
 
 from megatron.training.errors import UserError
 
 LOCK_FILENAME = ".megatron_save.lock"
 
-_held = []  # this process's locks: open files, kept open (locked) until the process exits
+_held: list[TextIO] = []  # this process's locks: open files, kept open (locked) until the process exits
 
 
 def take_save_lock(save_dir: str) -> None:
