@@ -7,7 +7,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 TYPED = ["megadpp/transport", "megascope/wire.py", "megatron/inference/errors.py", "megatron/inference/limits.py",
          "megatron/inference/requests.py", "megatron/inference/serving", "megascan/aggregate", "megascan/detection"]
-# Typed with the rework of these two files (issue 32); drop them from here then.
 
 
 def _public_functions(tree):
